@@ -1,0 +1,50 @@
+"""Library entry points behind the one-shot commands (schema, status, retry)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+from relay import schema
+from relay.store import Store, translate_errors
+
+
+async def apply_schema(database_url: str) -> list[str]:
+    """Create or upgrade the tables; returns the names of the files applied."""
+    store = Store(database_url, pool_size=1)
+    try:
+        with translate_errors():
+            async with store.engine.begin() as conn:
+                return await conn.run_sync(schema.apply)
+    finally:
+        await store.close()
+
+
+async def table_status(database_url: str) -> dict[str, dict[str, Any]]:
+    """What `relay status --json` prints."""
+    store = Store(database_url, pool_size=1)
+    try:
+        return await store.status()
+    finally:
+        await store.close()
+
+
+async def retry(
+    database_url: str,
+    table: str,
+    *,
+    ids: Sequence[str] = (),
+    all_dead: bool = False,
+    consumer: str | None = None,
+) -> int:
+    """Put dead (or the given) rows back to pending with attempts reset; returns how many."""
+    store = Store(database_url, pool_size=1)
+    try:
+        return await store.retry(table, ids=ids, all_dead=all_dead, consumer=consumer)
+    finally:
+        await store.close()
+
+
+
+__all__ = ["apply_schema", "retry", "table_status"]

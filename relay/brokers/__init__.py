@@ -1,0 +1,128 @@
+"""The ports the loops talk to, and the factory that picks an adapter by URL.
+
+The outbox loop sees a Publisher; the inbox loop sees a Consumer. Neither
+knows which broker is behind it: RabbitMQ (`amqp.py`) and SQS (`sqs.py`)
+each implement both.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import orjson
+
+from relay.config import BrokerURL
+from relay.store import Failure, OutboxRow
+
+
+class Outcome(enum.Enum):
+    """A publish whose result is unknown (the connection broke first)."""
+
+    RELEASE = "release"  # leave the row pending, no attempt counted
+
+
+PublishResult = None | Failure | Outcome  # None: confirmed by the broker
+
+
+class Publisher(Protocol):
+    """Sends claimed outbox rows to the broker and reports each one's fate."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    async def connect(self) -> None:
+        """Connect (or reconnect); raises BrokerUnavailable."""
+
+    async def publish(self, rows: Sequence[OutboxRow]) -> list[PublishResult]:
+        """Publish rows in order; one result per row. Raises BrokerUnavailable
+        only when nothing was sent."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A message received from the broker, not yet in the inbox table."""
+
+    message_id: str | None  # the producer's id, if it sent one
+    topic: str | None
+    key: str | None
+    type: str | None
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    ack_token: object = None  # adapter-specific (delivery tag, receipt handle)
+
+
+class Consumer(Protocol):
+    """Receives messages in batches; acknowledges them after they are stored."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    async def connect(self) -> None:
+        """Connect and declare what is needed; raises BrokerUnavailable."""
+
+    def batches(self, max_size: int, max_wait: float) -> AsyncIterator[list[Incoming]]:
+        """Batches of received messages, in delivery order."""
+
+    async def ack(self, batch: Sequence[Incoming]) -> None:
+        """Acknowledge every message of a batch (after its rows are committed)."""
+
+    async def close(self) -> None: ...
+
+
+class BadMessage(ValueError):
+    """An outbox row no broker can carry; publishing it again cannot help."""
+
+
+def row_headers(row: OutboxRow) -> dict[str, str]:
+    """The row's headers as a str→str dict, or BadMessage saying what is wrong."""
+    try:
+        headers = orjson.loads(row.headers) if row.headers else {}
+    except orjson.JSONDecodeError as exc:
+        raise BadMessage(f"headers are not valid JSON: {exc}") from None
+    if not isinstance(headers, dict):
+        raise BadMessage(f"headers must be a JSON object, not {type(headers).__name__}")
+    for name, value in headers.items():
+        if not isinstance(value, str):
+            raise BadMessage(
+                f"header {name!r} has a {type(value).__name__} value; headers must be strings"
+            )
+    return headers
+
+
+def row_body(row: OutboxRow) -> bytes:
+    """The payload as compact UTF-8 JSON."""
+    return orjson.dumps(orjson.loads(row.payload))
+
+
+def check_topic(row: OutboxRow) -> None:
+    if not row.topic:
+        raise BadMessage("topic is empty")
+
+
+def make_publisher(broker: BrokerURL, *, exchange: str) -> Publisher:
+    if broker.kind == "amqp":
+        from relay.brokers.amqp import AmqpPublisher
+
+        return AmqpPublisher(broker.url, exchange=exchange)
+    from relay.brokers.sqs import SqsPublisher
+
+    return SqsPublisher(broker)
+
+
+def make_consumer(
+    broker: BrokerURL, *, queue: str, exchange: str, binds: Sequence[str], prefetch: int
+) -> Consumer:
+    if broker.kind == "amqp":
+        from relay.brokers.amqp import AmqpConsumer
+
+        return AmqpConsumer(
+            broker.url, queue=queue, exchange=exchange, binds=binds, prefetch=prefetch
+        )
+    from relay.brokers.sqs import SqsConsumer
+
+    return SqsConsumer(broker, queue=queue)

@@ -1,0 +1,325 @@
+"""RabbitMQ through aio-pika/aiormq: the outbox publisher and the inbox consumer.
+
+The publisher uses publisher confirms with the whole batch in flight on one
+channel (AMQP keeps a channel's publishes in order) and mandatory routing,
+so a message no queue would take comes back as a failure instead of
+vanishing. The consumer acknowledges with one multiple-ack per stored batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import aio_pika
+import aiormq
+import aiormq.exceptions
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+from pamqp import commands as spec
+
+from relay.brokers import (
+    BadMessage,
+    Incoming,
+    Outcome,
+    PublishResult,
+    check_topic,
+    row_body,
+    row_headers,
+)
+from relay.config import redact_url
+from relay.errors import BrokerUnavailable, ConfigError
+from relay.store import Failure, OutboxRow
+
+log = logging.getLogger(__name__)
+
+KEY_HEADER = "x-relay-key"
+CONNECT_TIMEOUT = 10.0
+CONFIRM_TIMEOUT = 60.0
+
+# What a broken connection or channel looks like from aiormq and the OS.
+_CONNECTION_ERRORS = (
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.AMQPChannelError,
+    ConnectionError,
+    OSError,
+    asyncio.TimeoutError,
+    RuntimeError,  # aiormq: "writer is None" / closed transport
+)
+
+
+def _unavailable(exc: BaseException, url: str) -> BrokerUnavailable:
+    return BrokerUnavailable(f"RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}")
+
+
+async def _connect(url: str) -> AbstractConnection:
+    try:
+        return await aio_pika.connect(url, timeout=CONNECT_TIMEOUT)
+    except aiormq.exceptions.ProbableAuthenticationError as exc:
+        raise BrokerUnavailable(f"RabbitMQ at {redact_url(url)} refused the login: {exc}") from exc
+    except _CONNECTION_ERRORS as exc:
+        raise _unavailable(exc, url) from exc
+
+
+async def _declare_exchange(channel: AbstractChannel, name: str) -> aio_pika.abc.AbstractExchange:
+    try:
+        return await channel.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True)
+    except aiormq.exceptions.ChannelPreconditionFailed as exc:
+        raise ConfigError(
+            f"exchange {name!r} exists with other settings than a durable topic exchange: {exc}"
+        ) from None
+
+
+class AmqpPublisher:
+    """Publishes outbox rows to a durable topic exchange with publisher confirms."""
+
+    def __init__(self, url: str, *, exchange: str) -> None:
+        self.url = url
+        self.exchange = exchange
+        self._connection: AbstractConnection | None = None
+        self._channel: aiormq.abc.AbstractChannel | None = None
+
+    @property
+    def connected(self) -> bool:
+        return (
+            self._connection is not None
+            and not self._connection.is_closed
+            and self._channel is not None
+            and not self._channel.is_closed
+        )
+
+    async def connect(self) -> None:
+        if self.connected:
+            return
+        await self.close()
+        connection = await _connect(self.url)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            await _declare_exchange(channel, self.exchange)
+            self._channel = await channel.get_underlay_channel()
+        except _CONNECTION_ERRORS as exc:
+            await connection.close()
+            raise _unavailable(exc, self.url) from exc
+        except BaseException:
+            await connection.close()
+            raise
+        self._connection = connection
+        log.info("connected to RabbitMQ at %s", redact_url(self.url))
+
+    async def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and not connection.is_closed:
+            try:
+                await connection.close()
+            except _CONNECTION_ERRORS:
+                pass
+
+    def _frame(self, row: OutboxRow) -> tuple[bytes, spec.Basic.Properties]:
+        check_topic(row)
+        headers: dict[str, Any] = dict(row_headers(row))
+        if row.key is not None:
+            headers[KEY_HEADER] = row.key
+        properties = spec.Basic.Properties(
+            content_type="application/json",
+            delivery_mode=2,
+            message_id=str(row.id),
+            message_type=row.type,
+            timestamp=row.created_at,
+            headers=headers,
+        )
+        return row_body(row), properties
+
+    async def publish(self, rows: Sequence[OutboxRow]) -> list[PublishResult]:
+        await self.connect()
+        channel = self._channel
+        assert channel is not None
+        results: list[PublishResult] = [None] * len(rows)
+        pending: list[tuple[int, asyncio.Task[Any]]] = []
+        for index, row in enumerate(rows):
+            try:
+                body, properties = self._frame(row)
+            except BadMessage as exc:
+                results[index] = Failure(str(exc), permanent=True)
+                continue
+            # Tasks start in creation order and take the channel lock in
+            # that order, so the broker sees the batch in seq order.
+            task = asyncio.ensure_future(
+                channel.basic_publish(
+                    body,
+                    exchange=self.exchange,
+                    routing_key=row.topic,
+                    properties=properties,
+                    mandatory=True,
+                    timeout=CONFIRM_TIMEOUT,
+                    wait=False,
+                )
+            )
+            pending.append((index, task))
+        broken: BaseException | None = None
+        for index, task in pending:
+            try:
+                confirmation = await task
+            except aiormq.exceptions.PublishError:
+                results[index] = Failure(
+                    f"unroutable: no queue is bound to exchange {self.exchange!r} "
+                    f"for routing key {rows[index].topic!r}"
+                )
+                continue
+            except aiormq.exceptions.DeliveryError as exc:
+                results[index] = Failure(f"rejected by RabbitMQ (nack): {exc}")
+                continue
+            except _CONNECTION_ERRORS as exc:
+                broken = broken or exc
+                results[index] = Outcome.RELEASE
+                continue
+            if isinstance(confirmation, aiormq.abc.DeliveredMessage):  # returned
+                results[index] = Failure(
+                    f"unroutable: no queue is bound to exchange {self.exchange!r} "
+                    f"for routing key {rows[index].topic!r}"
+                )
+        if broken is not None:
+            log.warning("RabbitMQ connection lost mid-batch: %s", _unavailable(broken, self.url))
+            await self.close()
+        return results
+
+
+def _jsonable(value: Any) -> Any:
+    """AMQP table values (bytes, datetimes, decimals, nested) as JSON values."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, (datetime, Decimal)):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class AmqpConsumer:
+    """Consumes a durable queue bound to the exchange, with a prefetch window."""
+
+    def __init__(
+        self, url: str, *, queue: str, exchange: str, binds: Sequence[str], prefetch: int
+    ) -> None:
+        self.url = url
+        self.queue = queue
+        self.exchange = exchange
+        self.binds = tuple(binds)
+        self.prefetch = prefetch
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._received: asyncio.Queue[AbstractIncomingMessage | BaseException] = asyncio.Queue()
+
+    @property
+    def connected(self) -> bool:
+        return (
+            self._connection is not None
+            and not self._connection.is_closed
+            and self._channel is not None
+            and not self._channel.is_closed
+        )
+
+    async def connect(self) -> None:
+        if self.connected:
+            return
+        await self.close()
+        # Deliveries of the old channel can no longer be acked: drop them,
+        # the broker redelivers them.
+        self._received = asyncio.Queue()
+        connection = await _connect(self.url)
+        try:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=self.prefetch)
+            exchange = await _declare_exchange(channel, self.exchange)
+            queue = await channel.declare_queue(self.queue, durable=True)
+            for pattern in self.binds:
+                await queue.bind(exchange, routing_key=pattern)
+            await queue.consume(self._received.put_nowait)
+            channel.close_callbacks.add(self._on_close)
+        except _CONNECTION_ERRORS as exc:
+            await connection.close()
+            raise _unavailable(exc, self.url) from exc
+        except BaseException:
+            await connection.close()
+            raise
+        self._connection, self._channel = connection, channel
+        log.info(
+            "consuming queue %r from RabbitMQ at %s (bindings: %s)",
+            self.queue, redact_url(self.url), ", ".join(self.binds) or "none",
+        )
+
+    def _on_close(self, _channel: object, exc: BaseException | None = None) -> None:
+        self._received.put_nowait(
+            BrokerUnavailable(f"RabbitMQ channel closed: {exc}")
+        )
+
+    async def batches(self, max_size: int, max_wait: float) -> AsyncIterator[list[Incoming]]:
+        while True:
+            await self.connect()
+            received = self._received
+            first = await received.get()
+            batch = []
+            item: AbstractIncomingMessage | BaseException = first
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + max_wait
+            while True:
+                if isinstance(item, BaseException):
+                    if batch:
+                        break  # store what we have; the error shows next time
+                    await self.close()
+                    raise BrokerUnavailable(str(item))
+                batch.append(self._incoming(item))
+                if len(batch) >= max_size:
+                    break
+                try:
+                    item = received.get_nowait()
+                except asyncio.QueueEmpty:
+                    timeout = deadline - loop.time()
+                    if timeout <= 0:
+                        break
+                    try:
+                        item = await asyncio.wait_for(received.get(), timeout)
+                    except TimeoutError:
+                        break
+            yield batch
+
+    def _incoming(self, message: AbstractIncomingMessage) -> Incoming:
+        headers = {str(k): _jsonable(v) for k, v in (message.headers or {}).items()}
+        key = headers.get(KEY_HEADER)
+        return Incoming(
+            message_id=message.message_id or None,
+            topic=message.routing_key,
+            key=str(key) if key is not None else None,
+            type=message.type or None,
+            body=message.body,
+            headers=headers,
+            ack_token=message,
+        )
+
+    async def ack(self, batch: Sequence[Incoming]) -> None:
+        if not batch:
+            return
+        last = batch[-1].ack_token
+        assert isinstance(last, aio_pika.abc.AbstractIncomingMessage)
+        try:
+            # Deliveries arrive and are stored in order, so one multiple-ack
+            # on the last delivery tag acknowledges the whole batch.
+            await last.ack(multiple=True)
+        except _CONNECTION_ERRORS as exc:
+            # The rows are committed; the broker will redeliver and the
+            # inbox will count them as duplicates.
+            await self.close()
+            raise _unavailable(exc, self.url) from exc
+
+    async def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and not connection.is_closed:
+            try:
+                await connection.close()
+            except _CONNECTION_ERRORS:
+                pass

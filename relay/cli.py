@@ -1,0 +1,218 @@
+"""`relay`: a thin layer that parses options, builds settings and calls the library.
+
+Every option is a flag and a RELAY_<FLAG> variable (a flag beats the
+variable). Bad configuration exits 2 with one line on stderr; see
+relay.lifecycle for the other exit codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import click
+
+from relay import config, logs
+from relay.errors import ConfigError, DatabaseUnavailable, SchemaError, SchemaNotReady
+from relay.lifecycle import EXIT_CONFIG, EXIT_FAILURE
+
+log = logging.getLogger("relay")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _envvar(flag: str) -> str:
+    return "RELAY_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def option(flag: str, **kwargs: Any) -> Callable[[F], F]:
+    """A click option that also reads RELAY_<FLAG>."""
+    kwargs.setdefault("show_envvar", True)
+    return click.option(flag, envvar=_envvar(flag), **kwargs)
+
+
+class Duration(click.ParamType):
+    name = "duration"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            return config.parse_duration(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _common(f: F) -> F:
+    for decorator in reversed([
+        option("--database-url", required=True, help="postgresql://user:pass@host:port/db"),
+        option("--log-level", default="INFO", show_default=True,
+               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)),
+        option("--log-format", default="text", show_default=True,
+               type=click.Choice(["text", "json"])),
+    ]):
+        f = decorator(f)
+    return f
+
+
+def _daemon_options(f: F) -> F:
+    for decorator in reversed([
+        option("--broker-url", required=True,
+               help="amqp://user:pass@host:port/vhost or sqs://[?region=..&endpoint_url=..]"),
+        option("--batch-size", type=click.IntRange(min=1), default=500, show_default=True,
+               help="rows claimed per batch"),
+        option("--poll-interval", type=click.FloatRange(min=0, min_open=True), default=1.0,
+               show_default=True, help="seconds between polls when no notification arrives"),
+        option("--max-attempts", type=click.IntRange(min=1), default=10, show_default=True,
+               help="a row whose attempts reach this is dead"),
+        option("--backoff-min", type=click.FloatRange(min=0), default=1.0, show_default=True,
+               help="seconds: shortest retry delay"),
+        option("--backoff-max", type=click.FloatRange(min=0), default=300.0, show_default=True,
+               help="seconds: longest retry delay"),
+        option("--exchange", default="relay", show_default=True,
+               help="RabbitMQ topic exchange (declared durable if missing)"),
+        option("--http-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+               help="port for /healthz, /readyz and /metrics (0: none)"),
+        option("--shutdown-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+               show_default=True, help="seconds to finish the batch in hand on SIGTERM"),
+        option("--retention", type=Duration(), default=None,
+               help="keep finished rows this long: 90s, 30m, 24h, 7d or seconds "
+                    "[default: outbox 1d, inbox 7d]"),
+        option("--on-dead", type=click.Choice(["skip", "block"]), default="skip",
+               show_default=True, help="skip: later rows of a dead row's key go on; "
+                                       "block: the key waits until the row is retried"),
+    ]):
+        f = decorator(f)
+    return _common(f)
+
+
+def _setup_logs(kwargs: dict[str, Any]) -> None:
+    secrets = [
+        config.url_password(kwargs.get("database_url")),
+        config.url_password(kwargs.get("broker_url")),
+    ]
+    logs.setup(kwargs.pop("log_level", "INFO"), kwargs.pop("log_format", "text"),
+               [s for s in secrets if s])
+
+
+def _fail_config(exc: Exception) -> None:
+    click.echo(f"relay: error: {exc}", err=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def _run(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a library coroutine, mapping relay's errors to exit codes."""
+    try:
+        return asyncio.run(coro)
+    except ConfigError as exc:
+        _fail_config(exc)
+    except SchemaNotReady as exc:
+        click.echo(f"relay: error: {exc}", err=True)
+        sys.exit(EXIT_FAILURE)
+    except SchemaError as exc:
+        _fail_config(exc)
+    except DatabaseUnavailable as exc:
+        click.echo(f"relay: error: database unavailable: {exc}", err=True)
+        sys.exit(EXIT_FAILURE)
+
+
+def _build(factory: Callable[..., Any], **kwargs: Any) -> Any:
+    try:
+        return factory(**kwargs)
+    except ConfigError as exc:
+        _fail_config(exc)
+
+
+def _daemon_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    broker_url = kwargs.pop("broker_url")
+    try:
+        kwargs["broker"] = config.BrokerURL.parse(broker_url)
+    except ConfigError as exc:
+        _fail_config(exc)
+    if kwargs.get("retention") is None:
+        kwargs.pop("retention", None)
+    return kwargs
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="relay")
+def cli() -> None:
+    """relay: transactional outbox and inbox daemons for PostgreSQL, RabbitMQ and SQS."""
+
+
+# -- schema ------------------------------------------------------------------
+
+
+@cli.group()
+def schema() -> None:
+    """Create, upgrade or print the relay tables."""
+
+
+@schema.command("apply")
+@_common
+def schema_apply(**kwargs: Any) -> None:
+    """Create or upgrade the tables, indexes and triggers (idempotent, concurrency-safe)."""
+    _setup_logs(kwargs)
+    from relay.api import apply_schema
+
+    applied = _run(apply_schema(_build(config.normalize_database_url, url=kwargs["database_url"])))
+    if applied:
+        click.echo(f"applied: {', '.join(applied)}")
+    else:
+        click.echo("schema is up to date")
+
+
+@schema.command("sql")
+def schema_sql() -> None:
+    """Print the DDL that `relay schema apply` runs (needs no database)."""
+    from relay import schema as schema_module
+
+    click.echo(schema_module.sql_script(), nl=False)
+
+
+# -- daemons -------------------------------------------------------------------
+
+
+@cli.command()
+@_daemon_options
+@click.option("--once", is_flag=True, help="publish every row due now, then exit 0")
+def outbox(once: bool, **kwargs: Any) -> None:
+    """The outbox relay: publish committed outbox rows to the broker."""
+    _setup_logs(kwargs)
+    from relay.outbox import serve_outbox
+
+    settings = _build(config.OutboxSettings, **_daemon_settings(kwargs))
+    sys.exit(_run(serve_outbox(settings, once=once)))
+
+
+# -- status and retry ------------------------------------------------------------
+
+
+@cli.command()
+@_common
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def status(as_json: bool, **kwargs: Any) -> None:
+    """Counts per table and status, and the age of the oldest pending row."""
+    _setup_logs(kwargs)
+    from relay.api import table_status
+
+    report = _run(table_status(_build(config.normalize_database_url, url=kwargs["database_url"])))
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for table, row in report.items():
+        counts = ", ".join(f"{k} {v}" for k, v in row.items() if k != "oldest_pending_seconds")
+        age = row["oldest_pending_seconds"]
+        oldest = "none pending" if age is None else f"oldest pending {age:.1f}s"
+        click.echo(f"{table}: {counts}; {oldest}")
+
+
+def main() -> None:
+    cli(prog_name="relay")
+
+
+if __name__ == "__main__":
+    main()

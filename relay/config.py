@@ -1,0 +1,206 @@
+"""Settings: one frozen object per command, built and validated here.
+
+The CLI parses flags and RELAY_* variables into these; the library takes them.
+Every check that can fail on bad input raises ConfigError with one clear line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import urllib.parse
+from dataclasses import dataclass
+
+from relay.errors import ConfigError
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+DEFAULT_OUTBOX_RETENTION = 86400.0
+DEFAULT_INBOX_RETENTION = 7 * 86400.0
+
+
+def parse_duration(text: str | float | int) -> float:
+    """`90s`, `30m`, `24h`, `7d` or plain seconds, as seconds."""
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        match = _DURATION.match(text)
+        if not match:
+            raise ConfigError(
+                f"invalid duration {text!r}: use a number of seconds or 90s, 30m, 24h, 7d"
+            )
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds <= 0:
+        raise ConfigError(f"invalid duration {text!r}: must be greater than zero")
+    return seconds
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by ***, for logs and errors."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def url_password(url: str | None) -> str | None:
+    """The password in a URL (percent-decoded), so logs can mask it."""
+    if not url:
+        return None
+    try:
+        password = urllib.parse.urlsplit(url).password
+    except ValueError:
+        return None
+    return urllib.parse.unquote(password) if password else None
+
+
+def normalize_database_url(url: str) -> str:
+    """A SQLAlchemy URL for psycopg 3, or ConfigError for anything else."""
+    if not url:
+        raise ConfigError("no database URL: set --database-url or RELAY_DATABASE_URL")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigError(
+            f"invalid database URL {redact_url(url)!r}: expected postgresql://user@host/dbname"
+        )
+    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
+        return "postgresql+psycopg://" + rest
+    raise ConfigError(
+        f"unsupported database URL scheme {scheme!r}: use postgresql:// or postgresql+psycopg://"
+    )
+
+
+@dataclass(frozen=True)
+class BrokerURL:
+    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ or `sqs://…` for SQS."""
+
+    url: str
+    kind: str  # "amqp" or "sqs"
+    sqs_region: str | None = None
+    sqs_endpoint_url: str | None = None
+
+    @classmethod
+    def parse(cls, url: str | None) -> BrokerURL:
+        if not url:
+            raise ConfigError("no broker URL: set --broker-url or RELAY_BROKER_URL")
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise ConfigError(f"invalid broker URL {redact_url(url)!r}: {exc}") from None
+        if parts.scheme in ("amqp", "amqps"):
+            if not parts.hostname:
+                raise ConfigError(f"invalid broker URL {redact_url(url)!r}: no host")
+            return cls(url=url, kind="amqp")
+        if parts.scheme == "sqs":
+            query = urllib.parse.parse_qs(parts.query)
+            unknown = set(query) - {"region", "endpoint_url"}
+            if unknown:
+                raise ConfigError(
+                    f"invalid broker URL {redact_url(url)!r}: unknown parameter(s) "
+                    f"{', '.join(sorted(unknown))}; sqs:// takes region and endpoint_url"
+                )
+            endpoint = query.get("endpoint_url", [None])[-1]
+            if endpoint and not urllib.parse.urlsplit(endpoint).scheme.startswith("http"):
+                raise ConfigError(f"invalid SQS endpoint_url {endpoint!r}: expected http(s)://")
+            return cls(
+                url=url,
+                kind="sqs",
+                sqs_region=query.get("region", [None])[-1],
+                sqs_endpoint_url=endpoint,
+            )
+        raise ConfigError(
+            f"unsupported broker URL scheme {parts.scheme or url!r}: "
+            "use amqp://user:pass@host:port/vhost or sqs://"
+        )
+
+    def __repr__(self) -> str:  # never leak the password through a repr
+        return f"BrokerURL({redact_url(self.url)!r})"
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """What both daemons share."""
+
+    database_url: str
+    broker: BrokerURL | None = None
+    batch_size: int = 500
+    poll_interval: float = 1.0
+    max_attempts: int = 10
+    backoff_min: float = 1.0
+    backoff_max: float = 300.0
+    exchange: str = "relay"
+    http_port: int = 0
+    shutdown_timeout: float = 30.0
+    retention: float = DEFAULT_OUTBOX_RETENTION
+    on_dead: str = "skip"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "database_url", normalize_database_url(self.database_url))
+        _positive("batch-size", self.batch_size)
+        _positive("poll-interval", self.poll_interval)
+        _positive("max-attempts", self.max_attempts)
+        _positive("shutdown-timeout", self.shutdown_timeout)
+        if self.backoff_min < 0 or self.backoff_max < self.backoff_min:
+            raise ConfigError(
+                f"invalid backoff: need 0 <= --backoff-min ({self.backoff_min}) "
+                f"<= --backoff-max ({self.backoff_max})"
+            )
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"invalid --http-port {self.http_port}: must be 0 to 65535")
+        if self.on_dead not in ("skip", "block"):
+            raise ConfigError(f"invalid --on-dead {self.on_dead!r}: use skip or block")
+        if not self.exchange:
+            raise ConfigError("invalid --exchange: must not be empty")
+
+    @property
+    def secrets(self) -> list[str]:
+        """Strings that must never reach a log line."""
+        found = [url_password(self.database_url)]
+        if self.broker:
+            found.append(url_password(self.broker.url))
+        return [s for s in found if s]
+
+    def replace(self, **changes: object) -> DaemonSettings:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(database_url={redact_url(self.database_url)!r}, ...)"
+
+
+@dataclass(frozen=True, repr=False)
+class OutboxSettings(DaemonSettings):
+    """`relay outbox`."""
+
+
+@dataclass(frozen=True, repr=False)
+class InboxSettings(DaemonSettings):
+    """`relay inbox`."""
+
+    retention: float = DEFAULT_INBOX_RETENTION
+    queue: str = ""
+    binds: tuple[str, ...] = ()
+    handlers: tuple[str, ...] = ()
+    consumer_name: str = ""
+    prefetch: int = 1000
+    handler_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.queue:
+            raise ConfigError("no queue: set --queue or RELAY_QUEUE")
+        if not self.consumer_name:
+            object.__setattr__(self, "consumer_name", self.queue)
+        _positive("prefetch", self.prefetch)
+        _positive("handler-timeout", self.handler_timeout)
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"invalid --{name} {value}: must be greater than zero")

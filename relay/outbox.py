@@ -1,0 +1,204 @@
+"""The outbox relay: claim due rows, publish them, mark them, repeat.
+
+Each worker runs claim → publish → mark inside one transaction, so the
+row locks taken by `FOR UPDATE SKIP LOCKED` are the claim: a relay that
+dies mid-batch releases them with its connection, and another relay
+publishes those rows again (at least once, same message id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from relay.backoff import Backoff
+from relay.brokers import Outcome, Publisher
+from relay.config import OutboxSettings
+from relay.errors import BrokerUnavailable, Unavailable
+from relay.metrics import OutboxMetrics
+from relay.store import Failure, OutboxRow, Store
+
+log = logging.getLogger(__name__)
+
+# Workers per relay: one publishes while the next claims.
+WORKERS = 2
+# How long a worker waits when every row it locked waits on another worker.
+BLOCKED_RETRY = 0.005
+
+
+class OutboxRelay:
+    """The outbox loop, independent of which broker the Publisher speaks to."""
+
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        store: Store,
+        publisher: Publisher,
+        metrics: OutboxMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.publisher = publisher
+        self.metrics = metrics or OutboxMetrics()
+        self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
+        self.reconnect = Backoff(0.5, 30.0)
+        self._wakeups: list[asyncio.Event] = []
+        self.stopping = asyncio.Event()
+        self.last_progress = time.monotonic()
+
+    def wake(self) -> None:
+        for event in self._wakeups:
+            event.set()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake()
+
+    async def publish_batch(self, worker: int = 0, workers: int = 1) -> tuple[int, int]:
+        """Claim, publish and mark one batch.
+
+        Returns how many rows it published or failed, and how many it left
+        for the worker that holds an earlier row of their key."""
+        s = self.settings
+        async with self.store.transaction() as conn:
+            rows, blocked = await self.store.claim_outbox(
+                conn, s.batch_size, s.on_dead, worker, workers
+            )
+            if not rows:
+                return 0, blocked
+            started = time.perf_counter()
+            results = await self.publisher.publish(rows)
+            self.metrics.publish_seconds.observe(time.perf_counter() - started)
+            published: list[OutboxRow] = []
+            failed: list[tuple[OutboxRow, Failure, float]] = []
+            for row, result in zip(rows, results, strict=True):
+                if result is None:
+                    published.append(row)
+                elif isinstance(result, Failure):
+                    failed.append((row, result, self.backoff.delay(row.attempts + 1)))
+            await self.store.mark_published(conn, [row.id for row in published])
+            statuses = await self.store.mark_outbox_failed(conn, failed, s.max_attempts)
+        self.metrics.published.inc(len(published))
+        for row, failure, delay in failed:
+            dead = statuses.get(row.id) == "dead"
+            self.metrics.failed.inc()
+            if dead:
+                self.metrics.dead.inc()
+            log.warning(
+                "publish failed%s: %s",
+                " (dead)" if dead else f" (retry in {delay:.1f}s)",
+                failure.error,
+                extra={"action": "publish_failed", "message_id": str(row.id),
+                       "topic": row.topic, "attempts": row.attempts + 1},
+            )
+        if Outcome.RELEASE in results:
+            raise BrokerUnavailable("connection lost before every confirm arrived")
+        return len(rows), blocked
+
+    async def run(self, *, once: bool = False) -> None:
+        """Run the workers until stop() (or, with once, until nothing is due)."""
+        await self._ready()
+        workers = [asyncio.create_task(self._worker(i, once)) for i in range(WORKERS)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _ready(self) -> None:
+        """Wait until the schema is there and the broker answers."""
+        failures = 0
+        while not self.stopping.is_set():
+            try:
+                await self.store.check_schema()
+                await self.publisher.connect()
+                return
+            except Unavailable as exc:
+                failures += 1
+                await self._pause(exc, failures)
+
+    async def _worker(self, worker: int, once: bool) -> None:
+        wakeup = asyncio.Event()
+        self._wakeups.append(wakeup)
+        failures = 0
+        while not self.stopping.is_set():
+            # Cleared before the claim, so a NOTIFY that lands during it
+            # makes the idle wait below return at once.
+            wakeup.clear()
+            try:
+                done, blocked = await self.publish_batch(worker, WORKERS)
+                failures = 0
+            except Unavailable as exc:
+                failures += 1
+                await self._pause(exc, failures)
+                continue
+            self.last_progress = time.monotonic()
+            if done:
+                continue
+            if blocked:
+                # Another relay holds the head of these keys; it commits in
+                # milliseconds, and nothing will notify us when it does.
+                await asyncio.sleep(BLOCKED_RETRY)
+                continue
+            if once:
+                return
+            await self._wait(wakeup, self.settings.poll_interval)
+
+    async def _wait(self, event: asyncio.Event, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _pause(self, exc: Exception, failures: int) -> None:
+        delay = self.reconnect.delay(failures)
+        log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
+        await self._wait(self.stopping, delay)
+
+
+async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
+    """`relay outbox`: run the relay with its listener, jobs and probes; returns the exit code."""
+    from relay.brokers import make_publisher
+    from relay.lifecycle import Daemon, sd_notify, systemd_watchdog
+    from relay.maintenance import run_scheduler
+    from relay.store import NOTIFY_OUTBOX, Listener
+
+    assert settings.broker is not None
+    store = Store(settings.database_url, pool_size=WORKERS + 2)
+    publisher = make_publisher(settings.broker, exchange=settings.exchange)
+    relay = OutboxRelay(settings, store, publisher)
+
+    async def main() -> None:
+        await relay._ready()
+        sd_notify("READY=1")
+        log.info(
+            "outbox relay started%s", " (--once)" if once else "", extra={"action": "started"}
+        )
+        await relay.run(once=once)
+
+    async def ready() -> bool:
+        await store.ping()
+        return publisher.connected
+
+    daemon = Daemon(
+        name="outbox",
+        main=main,
+        stop_main=relay.stop,
+        shutdown_timeout=settings.shutdown_timeout,
+        ready=ready,
+        http_port=settings.http_port,
+        metrics=relay.metrics.render,
+        on_stop=[publisher.close, store.close],
+    )
+    if not once:
+        listener = Listener(store.conninfo, NOTIFY_OUTBOX, relay.wake)
+        daemon.background = {
+            "listener": listener.run,
+            "scheduler": lambda: run_scheduler(
+                store, "outbox", settings.retention, relay.metrics, daemon.stop_event
+            ),
+            "watchdog": lambda: systemd_watchdog(daemon, daemon.alive),
+        }
+    return await daemon.run()

@@ -1,0 +1,386 @@
+"""PostgreSQL: the only module that talks to the database on the relay's behalf.
+
+Every query the daemons and commands run is named here, with bound
+parameters only. Driver errors that mean "the server went away" become
+DatabaseUnavailable at this boundary, so the loops catch one class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from relay import schema
+from relay.config import redact_url
+from relay.errors import DatabaseUnavailable
+
+log = logging.getLogger(__name__)
+
+NOTIFY_OUTBOX = "relay_outbox"
+NOTIFY_INBOX = "relay_inbox"
+
+
+# --------------------------------------------------------------------------
+# Queries
+# --------------------------------------------------------------------------
+
+# Claim due outbox rows in seq order, keeping per-key order:
+# - the inner filter skips rows that wait behind an earlier row of their key
+#   which is not due yet (backoff, delay) or, under --on-dead block, dead;
+# - the outer filter marks rows `blocked` whose key has an earlier pending
+#   row that another relay holds right now: they stay pending, and the
+#   relay holding the key's head publishes them later.
+# The workers of one relay split the keys between them by hash, so they
+# never wait on each other. `{dead}` is the --on-dead policy.
+_CLAIM_OUTBOX = """
+WITH locked AS (
+    SELECT o.id, o.seq, o.topic, o.key, o.type, o.payload, o.headers, o.created_at, o.attempts
+    FROM outbox o
+    WHERE o.status = 'pending' AND o.available_at <= now()
+      AND (o.key IS NULL OR (
+          (hashtext(o.key) & 2147483647) % :workers = :worker
+          AND NOT EXISTS (
+              SELECT 1 FROM outbox e
+              WHERE e.key = o.key AND e.seq < o.seq AND e.status = 'pending'
+                AND e.available_at > now())
+          {dead}))
+    ORDER BY o.seq
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+SELECT l.id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
+       l.headers::text AS headers, l.created_at, l.attempts,
+       l.key IS NOT NULL AND EXISTS (
+           SELECT 1 FROM outbox e
+           WHERE e.key = l.key AND e.seq < l.seq AND e.status = 'pending'
+             AND e.id NOT IN (SELECT id FROM locked)) AS blocked
+FROM locked l
+ORDER BY l.seq
+"""
+
+_DEAD_BLOCKS = {
+    "skip": "",
+    "block": """AND NOT EXISTS (
+              SELECT 1 FROM outbox d
+              WHERE d.key = o.key AND d.seq < o.seq AND d.status = 'dead')""",
+}
+
+# Without statistics (a table bulk-loaded a moment ago) the planner may sort
+# every pending row before the LIMIT; walking the seq index is right at any
+# size. SET LOCAL ends with the transaction.
+PLAN_CLAIM = "SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off"
+UNPLAN_CLAIM = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on"
+
+MARK_PUBLISHED = sa.text(
+    "UPDATE outbox SET status = 'published', published_at = now(), last_error = NULL "
+    "WHERE id = ANY(:ids)"
+)
+
+# One statement for every failure of a batch. `permanent` rows (retrying
+# cannot help) go dead at once; the rest wait `delay` seconds.
+MARK_OUTBOX_FAILED = sa.text("""
+UPDATE outbox AS o SET
+    attempts = o.attempts + 1,
+    last_error = f.error,
+    available_at = now() + make_interval(secs => f.delay),
+    status = CASE WHEN f.permanent OR o.attempts + 1 >= :max_attempts
+                  THEN 'dead' ELSE 'pending' END
+FROM unnest(CAST(:ids AS uuid[]), CAST(:errors AS text[]),
+            CAST(:delays AS float8[]), CAST(:permanent AS bool[]))
+     AS f(id, error, delay, permanent)
+WHERE o.id = f.id
+RETURNING o.id, o.status
+""")
+
+SCHEMA_TABLE_EXISTS = sa.text("SELECT to_regclass('relay_schema_version') IS NOT NULL")
+
+STATUS_COUNTS = {
+    "outbox": sa.text(
+        "SELECT status, count(*) FROM outbox GROUP BY status"
+    ),
+    "inbox": sa.text(
+        "SELECT status, count(*) FROM inbox GROUP BY status"
+    ),
+}
+OLDEST_PENDING = {
+    "outbox": sa.text(
+        "SELECT extract(epoch FROM now() - min(created_at))::float8 "
+        "FROM outbox WHERE status = 'pending'"
+    ),
+    "inbox": sa.text(
+        "SELECT extract(epoch FROM now() - min(received_at))::float8 "
+        "FROM inbox WHERE status = 'pending'"
+    ),
+}
+STATUSES = {
+    "outbox": ("pending", "published", "dead"),
+    "inbox": ("pending", "processed", "dead"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A claimed outbox row, as the publishers see it."""
+
+    id: uuid.UUID
+    seq: int
+    topic: str
+    key: str | None
+    type: str | None
+    payload: str  # JSON text as PostgreSQL renders it
+    headers: str  # JSON object text
+    created_at: datetime
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why one message could not be published or handled."""
+
+    error: str
+    permanent: bool = False  # retrying cannot help: dead at once
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    if isinstance(exc, sa_exc.DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(
+            exc.orig, psycopg.OperationalError
+        )
+    return isinstance(exc, (psycopg.OperationalError, OSError, sa_exc.InterfaceError))
+
+
+@contextlib.contextmanager
+def translate_errors() -> Any:
+    """Turn "the server went away" driver errors into DatabaseUnavailable."""
+    try:
+        yield
+    except DatabaseUnavailable:
+        raise
+    except Exception as exc:
+        if _is_disconnect(exc):
+            raise DatabaseUnavailable(_describe(exc)) from exc
+        raise
+
+
+def _describe(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return f"{type(orig).__name__}: {text[0] if text else ''}"
+
+
+class Store:
+    """The relay's view of PostgreSQL: an async engine and named queries."""
+
+    def __init__(self, database_url: str, *, pool_size: int = 5) -> None:
+        self.url = sa.make_url(database_url)
+        self.engine: AsyncEngine = create_async_engine(
+            self.url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_pre_ping=True,
+            pool_recycle=3600,
+            # JIT compiles the claim for ~300 ms because its cost estimate is
+            # large; it runs in a millisecond without.
+            connect_args={
+                "connect_timeout": 10, "application_name": "relay", "options": "-c jit=off"
+            },
+        )
+        self._claim_outbox = {
+            policy: sa.text(_CLAIM_OUTBOX.format(dead=cond))
+            for policy, cond in _DEAD_BLOCKS.items()
+        }
+
+    def __repr__(self) -> str:
+        return f"Store({redact_url(str(self.url))!r})"
+
+    @property
+    def conninfo(self) -> str:
+        """A libpq URL for plain psycopg connections (LISTEN)."""
+        return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        """A connection in a transaction: committed on success, rolled back on error."""
+        with translate_errors():
+            async with self.engine.begin() as conn:
+                yield conn
+
+    async def ping(self) -> None:
+        with translate_errors():
+            async with self.engine.connect() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+
+    async def check_schema(self) -> None:
+        """SchemaError unless the tables exist at the version this relay knows."""
+        with translate_errors():
+            async with self.engine.connect() as conn:
+                version = None
+                if await conn.scalar(SCHEMA_TABLE_EXISTS):
+                    version = await conn.scalar(schema.CHECK_VERSION_SQL)
+        schema.check_version(version)
+
+    # -- outbox --------------------------------------------------------------
+
+    async def claim_outbox(
+        self, conn: AsyncConnection, limit: int, on_dead: str, worker: int = 0, workers: int = 1
+    ) -> tuple[list[OutboxRow], int]:
+        """Lock due rows of this worker's share of the keys; returns the
+        publishable ones and how many wait on another relay's rows of their key."""
+        params = {"limit": limit, "worker": worker, "workers": workers}
+        with translate_errors():
+            await conn.exec_driver_sql(PLAN_CLAIM)
+            result = await conn.execute(self._claim_outbox[on_dead], params)
+            rows, blocked = [], 0
+            for *fields, is_blocked in result:
+                if is_blocked:
+                    blocked += 1
+                else:
+                    rows.append(OutboxRow(*fields))
+            return rows, blocked
+
+    async def mark_published(self, conn: AsyncConnection, ids: Sequence[uuid.UUID]) -> None:
+        if ids:
+            with translate_errors():
+                await conn.execute(MARK_PUBLISHED, {"ids": list(ids)})
+
+    async def mark_outbox_failed(
+        self,
+        conn: AsyncConnection,
+        failures: Sequence[tuple[OutboxRow, Failure, float]],
+        max_attempts: int,
+    ) -> dict[uuid.UUID, str]:
+        """Record failed attempts; returns each row's new status."""
+        if not failures:
+            return {}
+        params = {
+            "ids": [row.id for row, _, _ in failures],
+            "errors": [f.error for _, f, _ in failures],
+            "delays": [delay for _, _, delay in failures],
+            "permanent": [f.permanent for _, f, _ in failures],
+            "max_attempts": max_attempts,
+        }
+        with translate_errors():
+            result = await conn.execute(MARK_OUTBOX_FAILED, params)
+            return {row_id: status for row_id, status in result}
+
+    # -- status --------------------------------------------------------------
+
+    async def status(self) -> dict[str, dict[str, Any]]:
+        """Counts per status and the oldest pending age, for both tables."""
+        report: dict[str, dict[str, Any]] = {}
+        with translate_errors():
+            async with self.engine.connect() as conn:
+                for table, statuses in STATUSES.items():
+                    counts = dict.fromkeys(statuses, 0)
+                    for status, count in await conn.execute(STATUS_COUNTS[table]):
+                        counts[status] = count
+                    age = await conn.scalar(OLDEST_PENDING[table])
+                    report[table] = {**counts, "oldest_pending_seconds": age}
+        return report
+
+
+class Listener:
+    """LISTEN on its own autocommit connection; calls `wake` on each notification.
+
+    Reconnects in a loop with backoff; while it is down the daemons still
+    poll, so a lost notification costs at most one --poll-interval.
+    """
+
+    def __init__(self, conninfo: str, channel: str, wake: Callable[[], None]) -> None:
+        self.conninfo = conninfo
+        self.channel = channel
+        self.wake = wake
+        self.connected = asyncio.Event()
+
+    async def run(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.conninfo, autocommit=True, connect_timeout=10
+                ) as conn:
+                    await conn.execute(f"LISTEN {self.channel}")  # a constant, never input
+                    self.connected.set()
+                    delay = 0.5
+                    # Rows committed while we were away: look once now.
+                    self.wake()
+                    async for _ in conn.notifies():
+                        self.wake()
+            except (psycopg.OperationalError, OSError) as exc:
+                log.warning(
+                    "LISTEN %s connection lost (%s); polling until it is back",
+                    self.channel,
+                    _describe(exc),
+                )
+            finally:
+                self.connected.clear()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+
+# --------------------------------------------------------------------------
+# Retention and gauges (scheduled jobs of both daemons)
+# --------------------------------------------------------------------------
+
+RETENTION_LOCK = {"outbox": 0x72657430, "inbox": 0x72657431}
+
+# Small batches keep each delete's locks and WAL short.
+_DELETE_OLD = {
+    "outbox": "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox "
+    "WHERE status = 'published' AND published_at < now() - make_interval(secs => :age) "
+    "LIMIT :limit)",
+    "inbox": "DELETE FROM inbox WHERE (consumer, message_id) IN (SELECT consumer, message_id "
+    "FROM inbox WHERE status = 'processed' AND processed_at < now() - make_interval(secs => :age) "
+    "LIMIT :limit)",
+}
+
+PENDING_GAUGES = {
+    "outbox": sa.text(
+        "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 "
+        "FROM outbox WHERE status = 'pending'"
+    ),
+    "inbox": sa.text(
+        "SELECT count(*), coalesce(extract(epoch FROM now() - min(received_at)), 0)::float8 "
+        "FROM inbox WHERE status = 'pending'"
+    ),
+}
+
+
+async def delete_expired(store: Store, table: str, age: float, batch: int = 1000) -> int | None:
+    """Delete finished rows older than `age` seconds, batch by batch.
+
+    Only one replica does it at a time (an advisory lock per table); returns
+    None when another replica holds it."""
+    statement = sa.text(_DELETE_OLD[table])
+    lock = sa.text("SELECT pg_try_advisory_xact_lock(:id)")
+    total = 0
+    while True:
+        async with store.transaction() as conn:
+            if not await conn.scalar(lock, {"id": RETENTION_LOCK[table]}):
+                return None if total == 0 else total
+            result = await conn.execute(statement, {"age": age, "limit": batch})
+        total += result.rowcount
+        if result.rowcount < batch:
+            return total
+
+
+async def pending_gauge(store: Store, table: str) -> tuple[int, float]:
+    """How many rows are pending and the age of the oldest, in seconds."""
+    with translate_errors():
+        async with store.engine.connect() as conn:
+            count, age = (await conn.execute(PENDING_GAUGES[table])).one()
+    return int(count), float(age)

@@ -1,0 +1,300 @@
+"""Fixtures: a fresh database per test (cloned from a template made once per
+run), unique RabbitMQ names per test, and helpers to run `relay` as a
+subprocess, the way users and the acceptance suite do.
+
+The servers are real. Without them a run on a laptop skips the tests that
+need them; under CI (CI=true) an unreachable server fails the run instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+PG_HOST = os.environ.get("RELAY_TEST_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("RELAY_TEST_PG_PORT", "5432"))
+PG_USER = os.environ.get("RELAY_TEST_PG_USER", "postgres")
+AMQP_URL = os.environ.get("RELAY_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+RELAY = [sys.executable, "-m", "relay.cli"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pg_url(dbname: str, driver: str = "postgresql+psycopg") -> str:
+    return f"{driver}://{PG_USER}@{PG_HOST}:{PG_PORT}/{dbname}"
+
+
+def _reachable(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
+        return True
+    return False
+
+
+def _require(host: str, port: int, what: str) -> None:
+    if _reachable(host, port):
+        return
+    message = f"{what} is not reachable at {host}:{port}"
+    if os.environ.get("CI"):
+        pytest.fail(message + " (CI must provide it)")
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------
+# PostgreSQL: one template per run, one clone per test
+# --------------------------------------------------------------------------
+
+
+def _admin() -> psycopg.Connection:
+    return psycopg.connect(
+        host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres", autocommit=True
+    )
+
+
+def drop_database(name: str) -> None:
+    with _admin() as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def template_db() -> Iterator[str]:
+    _require(PG_HOST, PG_PORT, "PostgreSQL")
+    name = f"relay_tpl_{os.getpid()}"
+    drop_database(name)
+    with _admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    result = subprocess.run(
+        [*RELAY, "schema", "apply", "--database-url", pg_url(name, "postgresql")],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    yield name
+    drop_database(name)
+
+
+@pytest.fixture
+def database(template_db: str) -> Iterator[str]:
+    """A database with the relay schema applied, only for this test; its URL."""
+    name = f"relay_t_{uuid.uuid4().hex[:12]}"
+    with _admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    yield pg_url(name)
+    drop_database(name)
+
+
+@pytest.fixture
+def empty_database() -> Iterator[str]:
+    """A database without the relay schema; its URL."""
+    _require(PG_HOST, PG_PORT, "PostgreSQL")
+    name = f"relay_e_{uuid.uuid4().hex[:12]}"
+    with _admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield pg_url(name)
+    drop_database(name)
+
+
+@pytest.fixture
+def engine(database: str) -> Iterator[sa.Engine]:
+    eng = sa.create_engine(database)
+    yield eng
+    eng.dispose()
+
+
+def rows(engine: sa.Engine, sql: str, **params: Any) -> list[sa.Row[Any]]:
+    """Run one statement in its own transaction; its rows (none for a plain write)."""
+    with engine.begin() as conn:
+        result = conn.execute(sa.text(sql), params)
+        return list(result) if result.returns_rows else []
+
+
+def insert_outbox(engine: sa.Engine, count: int, *, topic: str, keys: int = 0,
+                  type: str | None = "Test") -> None:
+    """`count` rows in one transaction; keys > 0 spreads them over that many keys."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (topic, key, type, payload) "
+                "SELECT :topic, CASE WHEN :keys > 0 THEN 'k' || (i % :keys) END, :type, "
+                "jsonb_build_object('i', i) FROM generate_series(1, :n) AS i"
+            ),
+            {"topic": topic, "keys": keys, "type": type, "n": count},
+        )
+
+
+# --------------------------------------------------------------------------
+# RabbitMQ: unique exchange and queue names per test, deleted afterwards
+# --------------------------------------------------------------------------
+
+
+class Rabbit:
+    """A test's own exchange, with helpers to bind queues and read them."""
+
+    def __init__(self, connection: aio_pika.abc.AbstractConnection, exchange: str) -> None:
+        self.connection = connection
+        self.exchange = exchange
+        self.queues: list[str] = []
+
+    async def queue(self, *patterns: str, name: str | None = None) -> aio_pika.abc.AbstractQueue:
+        channel = await self.connection.channel()
+        exchange = await channel.declare_exchange(self.exchange, "topic", durable=True)
+        queue = await channel.declare_queue(name or f"{self.exchange}.q{len(self.queues)}",
+                                            durable=True)
+        self.queues.append(queue.name)
+        for pattern in patterns:
+            await queue.bind(exchange, pattern)
+        return queue
+
+    async def publish(self, routing_key: str, body: bytes, **properties: Any) -> None:
+        channel = await self.connection.channel()
+        exchange = await channel.declare_exchange(self.exchange, "topic", durable=True)
+        await exchange.publish(aio_pika.Message(body, **properties), routing_key=routing_key)
+        await channel.close()
+
+    async def drain(self, queue: aio_pika.abc.AbstractQueue, count: int,
+                    timeout: float = 15.0) -> list[aio_pika.abc.AbstractIncomingMessage]:
+        """Exactly `count` messages (acked), or fail after `timeout` seconds."""
+        got: list[aio_pika.abc.AbstractIncomingMessage] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            message = await queue.get(no_ack=True, fail=False)
+            if message is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"got {len(got)} of {count} messages in {timeout}s")
+                await asyncio.sleep(0.02)
+                continue
+            got.append(message)
+        return got
+
+
+@pytest.fixture
+async def rabbit() -> AsyncIterator[Rabbit]:
+    _require("127.0.0.1", 5672, "RabbitMQ")
+    connection = await aio_pika.connect(AMQP_URL)
+    helper = Rabbit(connection, f"relay_test_{uuid.uuid4().hex[:10]}")
+    yield helper
+    channel = await connection.channel()
+    for name in helper.queues:
+        with contextlib.suppress(Exception):
+            await channel.queue_delete(name)
+    with contextlib.suppress(Exception):
+        await channel.exchange_delete(helper.exchange)
+    await connection.close()
+
+
+# --------------------------------------------------------------------------
+# Running relay
+# --------------------------------------------------------------------------
+
+
+class RelayProcess:
+    """`relay ...` as a subprocess with its stderr in a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.args = args
+        self.log_path = log
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [*RELAY, *args], env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO
+        )
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"relay exited {self.proc.returncode}:\n{self.log}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not logged in {timeout}s:\n{self.log}")
+            time.sleep(0.05)
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def relay_env(database: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update({
+        "RELAY_DATABASE_URL": database,
+        "RELAY_BROKER_URL": AMQP_URL,
+        "RELAY_LOG_LEVEL": "INFO",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+@pytest.fixture
+def start_relay(
+    relay_env: dict[str, str], tmp_path: Path
+) -> Iterator[Callable[..., RelayProcess]]:
+    started: list[RelayProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> RelayProcess:
+        proc = RelayProcess(
+            list(args), {**relay_env, **(env or {})}, tmp_path / f"relay{len(started)}.log"
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def run_relay(relay_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    def run(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*RELAY, *args], env={**relay_env, **(env or {})}, capture_output=True,
+            text=True, timeout=timeout, cwd=REPO,
+        )
+
+    return run
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05,
+               message: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} not reached in {timeout}s (last: {value!r})")
+        time.sleep(interval)
