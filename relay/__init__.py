@@ -5,6 +5,7 @@ consumers register handlers on a `HandlerRegistry`. The daemons are
 `relay outbox` and `relay inbox`.
 """
 
+from relay.handlers import HandlerRegistry, Message
 from relay.producer import enqueue, enqueue_async
 
-__all__ = ["enqueue", "enqueue_async"]
+__all__ = ["HandlerRegistry", "Message", "enqueue", "enqueue_async"]

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import sys
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -30,10 +31,10 @@ def _envvar(flag: str) -> str:
     return "RELAY_" + flag.lstrip("-").upper().replace("-", "_")
 
 
-def option(flag: str, **kwargs: Any) -> Callable[[F], F]:
+def option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     """A click option that also reads RELAY_<FLAG>."""
     kwargs.setdefault("show_envvar", True)
-    return click.option(flag, envvar=_envvar(flag), **kwargs)
+    return click.option(flag, *names, envvar=_envvar(flag), **kwargs)
 
 
 class Duration(click.ParamType):
@@ -188,6 +189,33 @@ def outbox(once: bool, **kwargs: Any) -> None:
     sys.exit(_run(serve_outbox(settings, once=once)))
 
 
+@cli.command()
+@_daemon_options
+@option("--queue", required=True, help="queue to consume (RabbitMQ: declared durable if missing)")
+@option("--bind", "binds", multiple=True,
+        help="bind the queue to the exchange with this pattern (repeatable; RabbitMQ only)")
+@option("--handlers", multiple=True,
+        help="module:attribute or module (its `registry`), repeatable "
+             "[default: the relay.handlers entry points]")
+@option("--consumer-name", default=None, help="dedup scope [default: the queue name]")
+@option("--prefetch", type=click.IntRange(min=1), default=1000, show_default=True,
+        help="unacknowledged messages the broker may send ahead")
+@option("--handler-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
+        show_default=True, help="seconds; a handler running longer fails that attempt")
+def inbox(**kwargs: Any) -> None:
+    """The inbox daemon: consume a queue into the inbox table and dispatch rows to handlers."""
+    _setup_logs(kwargs)
+    from relay.handlers import load
+    from relay.inbox import serve_inbox
+
+    kwargs["binds"] = tuple(kwargs["binds"])
+    kwargs["consumer_name"] = kwargs["consumer_name"] or ""
+    specs = tuple(kwargs.pop("handlers"))
+    settings = _build(config.InboxSettings, **_daemon_settings(kwargs))
+    registry = _build(load, specs=specs)
+    sys.exit(_run(serve_inbox(settings, registry)))
+
+
 # -- status and retry ------------------------------------------------------------
 
 
@@ -208,6 +236,34 @@ def status(as_json: bool, **kwargs: Any) -> None:
         age = row["oldest_pending_seconds"]
         oldest = "none pending" if age is None else f"oldest pending {age:.1f}s"
         click.echo(f"{table}: {counts}; {oldest}")
+
+
+@cli.command()
+@click.argument("table", type=click.Choice(["outbox", "inbox"]))
+@click.option("--id", "ids", multiple=True,
+              help="a row to retry (outbox: its id; inbox: its message_id); repeatable")
+@click.option("--all-dead", is_flag=True, help="every dead row")
+@click.option("--consumer", default=None, help="inbox only: only this consumer's rows")
+@_common
+def retry(table: str, ids: tuple[str, ...], all_dead: bool, consumer: str | None,
+          **kwargs: Any) -> None:
+    """Put dead (or the given) rows back to pending with attempts reset."""
+    _setup_logs(kwargs)
+    from relay.api import retry as retry_rows
+
+    if not ids and not all_dead:
+        _fail_config(ConfigError("nothing to retry: give --id ID (repeatable) or --all-dead"))
+    if consumer is not None and table == "outbox":
+        _fail_config(ConfigError("--consumer applies to the inbox only"))
+    if table == "outbox":
+        for row_id in ids:
+            try:
+                uuid.UUID(row_id)
+            except ValueError:
+                _fail_config(ConfigError(f"invalid outbox id {row_id!r}: expected a UUID"))
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    count = _run(retry_rows(url, table, ids=ids, all_dead=all_dead, consumer=consumer))
+    click.echo(f"retried {count} {table} row{'s' if count != 1 else ''}")
 
 
 def main() -> None:

@@ -43,6 +43,14 @@ def redact_url(url: str) -> str:
     except ValueError:
         return "<unparseable url>"
     if parts.password is None:
+        if "@" in url and "@" not in parts.netloc:
+            # Malformed (`user:pass@host`, `postgresql:/user:pass@host`): the
+            # parser found no user info, so mask from the first ':' that does
+            # not start `://` up to the last '@'.
+            head, _, tail = url.rpartition("@")
+            colon = re.search(r":(?!/)", head)
+            if colon:
+                return f"{head[:colon.start()]}:***@{tail}"
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
@@ -108,7 +116,9 @@ class BrokerURL:
                 )
             endpoint = query.get("endpoint_url", [None])[-1]
             if endpoint and not urllib.parse.urlsplit(endpoint).scheme.startswith("http"):
-                raise ConfigError(f"invalid SQS endpoint_url {endpoint!r}: expected http(s)://")
+                raise ConfigError(
+                    f"invalid SQS endpoint_url {redact_url(endpoint)!r}: expected http(s)://"
+                )
             return cls(
                 url=url,
                 kind="sqs",
@@ -116,7 +126,7 @@ class BrokerURL:
                 sqs_endpoint_url=endpoint,
             )
         raise ConfigError(
-            f"unsupported broker URL scheme {parts.scheme or url!r}: "
+            f"unsupported broker URL scheme {parts.scheme or redact_url(url)!r}: "
             "use amqp://user:pass@host:port/vhost or sqs://"
         )
 

@@ -33,6 +33,12 @@ class RedactingFilter(logging.Filter):
         if self.secrets:
             record.msg = self._clean(record.getMessage())
             record.args = None
+            for key, value in list(vars(record).items()):
+                if key in _STANDARD or key.startswith("_") or value is None:
+                    continue
+                text = value if isinstance(value, str) else str(value)
+                if any(secret in text for secret in self.secrets):
+                    setattr(record, key, self._clean(text))
             if record.exc_info and record.exc_info[1] is not None:
                 record.exc_text = self._clean(
                     logging.Formatter().formatException(record.exc_info)

@@ -103,6 +103,94 @@ WHERE o.id = f.id
 RETURNING o.id, o.status
 """)
 
+# -- inbox -------------------------------------------------------------------
+
+# One statement per received batch; duplicates (same consumer and producer
+# id, in the table or earlier in the batch) are skipped, and RETURNING
+# tells which rows are new.
+INSERT_INBOX = sa.text("""
+INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
+                   status, last_error)
+SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload::jsonb, m.body,
+       m.headers::jsonb, m.status, m.last_error
+FROM unnest(CAST(:message_ids AS text[]), CAST(:topics AS text[]), CAST(:keys AS text[]),
+            CAST(:types AS text[]), CAST(:payloads AS text[]), CAST(:bodies AS bytea[]),
+            CAST(:headers AS text[]), CAST(:statuses AS text[]), CAST(:errors AS text[]))
+     AS m(message_id, topic, key, type, payload, body, headers, status, last_error)
+ON CONFLICT (consumer, message_id) DO NOTHING
+RETURNING message_id
+""")
+
+# The inbox twin of the outbox claim (see _CLAIM_OUTBOX), per consumer.
+_CLAIM_INBOX = """
+WITH locked AS (
+    SELECT i.message_id, i.seq, i.topic, i.key, i.type, i.payload, i.headers, i.attempts
+    FROM inbox i
+    WHERE i.consumer = :consumer AND i.status = 'pending' AND i.available_at <= now()
+      AND (i.key IS NULL OR (
+          NOT EXISTS (
+              SELECT 1 FROM inbox e
+              WHERE e.consumer = i.consumer AND e.key = i.key AND e.seq < i.seq
+                AND e.status = 'pending' AND e.available_at > now())
+          {dead}))
+    ORDER BY i.seq
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+SELECT l.message_id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
+       l.headers::text AS headers, l.attempts,
+       l.key IS NOT NULL AND EXISTS (
+           SELECT 1 FROM inbox e
+           WHERE e.consumer = :consumer AND e.key = l.key AND e.seq < l.seq
+             AND e.status = 'pending'
+             AND e.message_id NOT IN (SELECT message_id FROM locked)) AS blocked
+FROM locked l
+ORDER BY l.seq
+"""
+
+_INBOX_DEAD_BLOCKS = {
+    "skip": "",
+    "block": """AND NOT EXISTS (
+              SELECT 1 FROM inbox d
+              WHERE d.consumer = i.consumer AND d.key = i.key AND d.seq < i.seq
+                AND d.status = 'dead')""",
+}
+
+MARK_PROCESSED = sa.text(
+    "UPDATE inbox SET status = 'processed', processed_at = now(), last_error = NULL "
+    "WHERE consumer = :consumer AND message_id = ANY(:ids)"
+)
+
+MARK_INBOX_FAILED = sa.text("""
+UPDATE inbox AS i SET
+    attempts = i.attempts + 1,
+    last_error = f.error,
+    available_at = now() + make_interval(secs => f.delay),
+    status = CASE WHEN f.permanent OR i.attempts + 1 >= :max_attempts
+                  THEN 'dead' ELSE 'pending' END
+FROM unnest(CAST(:ids AS text[]), CAST(:errors AS text[]),
+            CAST(:delays AS float8[]), CAST(:permanent AS bool[]))
+     AS f(id, error, delay, permanent)
+WHERE i.consumer = :consumer AND i.message_id = f.id
+RETURNING i.message_id, i.status
+""")
+
+# -- retry ---------------------------------------------------------------------
+
+RETRY = {
+    "outbox": sa.text(
+        "UPDATE outbox SET status = 'pending', attempts = 0, available_at = now() "
+        "WHERE (id = ANY(CAST(:ids AS uuid[])) OR (:all_dead AND status = 'dead'))"
+    ),
+    "inbox": sa.text(
+        "UPDATE inbox SET status = 'pending', attempts = 0, available_at = now() "
+        "WHERE (message_id = ANY(:ids) OR (:all_dead AND status = 'dead')) "
+        "AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer)"
+    ),
+}
+NOTIFY = sa.text("SELECT pg_notify(:channel, '')")
+
+
 SCHEMA_TABLE_EXISTS = sa.text("SELECT to_regclass('relay_schema_version') IS NOT NULL")
 
 STATUS_COUNTS = {
@@ -142,6 +230,35 @@ class OutboxRow:
     headers: str  # JSON object text
     created_at: datetime
     attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class InboxRow:
+    """A claimed inbox row, as the dispatcher sees it."""
+
+    message_id: str
+    seq: int
+    topic: str | None
+    key: str | None
+    type: str | None
+    payload: str | None  # JSON text, or None for a body that is not JSON
+    headers: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class NewInboxRow:
+    """A received message ready for INSERT_INBOX."""
+
+    message_id: str
+    topic: str | None
+    key: str | None
+    type: str | None
+    payload: str | None  # JSON text
+    body: bytes | None  # the raw body, kept when it is not JSON
+    headers: str  # JSON object text
+    status: str = "pending"
+    last_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +316,10 @@ class Store:
         self._claim_outbox = {
             policy: sa.text(_CLAIM_OUTBOX.format(dead=cond))
             for policy, cond in _DEAD_BLOCKS.items()
+        }
+        self._claim_inbox = {
+            policy: sa.text(_CLAIM_INBOX.format(dead=cond))
+            for policy, cond in _INBOX_DEAD_BLOCKS.items()
         }
 
     def __repr__(self) -> str:
@@ -276,6 +397,88 @@ class Store:
         with translate_errors():
             result = await conn.execute(MARK_OUTBOX_FAILED, params)
             return {row_id: status for row_id, status in result}
+
+    # -- inbox -----------------------------------------------------------------
+
+    async def insert_inbox(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
+        """Insert a received batch in one transaction; returns the ids that were new."""
+        if not batch:
+            return set()
+        params = {
+            "consumer": consumer,
+            "message_ids": [m.message_id for m in batch],
+            "topics": [m.topic for m in batch],
+            "keys": [m.key for m in batch],
+            "types": [m.type for m in batch],
+            "payloads": [m.payload for m in batch],
+            "bodies": [m.body for m in batch],
+            "headers": [m.headers for m in batch],
+            "statuses": [m.status for m in batch],
+            "errors": [m.last_error for m in batch],
+        }
+        async with self.transaction() as conn:
+            result = await conn.execute(INSERT_INBOX, params)
+            return {row[0] for row in result}
+
+    async def claim_inbox(
+        self, conn: AsyncConnection, consumer: str, limit: int, on_dead: str
+    ) -> tuple[list[InboxRow], int]:
+        """Lock due rows of a consumer; returns the dispatchable ones and how
+        many wait on rows of their key held by another dispatcher."""
+        params = {"consumer": consumer, "limit": limit}
+        with translate_errors():
+            await conn.exec_driver_sql(PLAN_CLAIM)
+            result = await conn.execute(self._claim_inbox[on_dead], params)
+            # Handlers share this transaction: give them the default planner.
+            await conn.exec_driver_sql(UNPLAN_CLAIM)
+            rows, blocked = [], 0
+            for *fields, is_blocked in result:
+                if is_blocked:
+                    blocked += 1
+                else:
+                    rows.append(InboxRow(*fields))
+            return rows, blocked
+
+    async def mark_processed(
+        self, conn: AsyncConnection, consumer: str, ids: Sequence[str]
+    ) -> None:
+        if ids:
+            with translate_errors():
+                await conn.execute(MARK_PROCESSED, {"consumer": consumer, "ids": list(ids)})
+
+    async def mark_inbox_failed(
+        self,
+        conn: AsyncConnection,
+        consumer: str,
+        failures: Sequence[tuple[InboxRow, Failure, float]],
+        max_attempts: int,
+    ) -> dict[str, str]:
+        """Record failed handler runs; returns each row's new status."""
+        if not failures:
+            return {}
+        params = {
+            "consumer": consumer,
+            "ids": [row.message_id for row, _, _ in failures],
+            "errors": [f.error for _, f, _ in failures],
+            "delays": [delay for _, _, delay in failures],
+            "permanent": [f.permanent for _, f, _ in failures],
+            "max_attempts": max_attempts,
+        }
+        with translate_errors():
+            result = await conn.execute(MARK_INBOX_FAILED, params)
+            return {row_id: status for row_id, status in result}
+
+    async def retry(
+        self, table: str, *, ids: Sequence[str], all_dead: bool, consumer: str | None
+    ) -> int:
+        """Dead (or the given) rows back to pending with attempts reset; wakes the daemons."""
+        params: dict[str, Any] = {"ids": list(ids), "all_dead": all_dead}
+        if table == "inbox":
+            params["consumer"] = consumer
+        async with self.transaction() as conn:
+            result = await conn.execute(RETRY[table], params)
+            await conn.execute(NOTIFY, {"channel": f"relay_{table}"})
+        return result.rowcount
 
     # -- status --------------------------------------------------------------
 

@@ -169,6 +169,33 @@ class Rabbit:
         await exchange.publish(aio_pika.Message(body, **properties), routing_key=routing_key)
         await channel.close()
 
+    async def publish_without_message_id(self, routing_key: str, body: bytes,
+                                         **properties: Any) -> None:
+        """Publish with no message_id property at all.
+
+        aiormq fills in a random message_id when none is given, so this
+        writes the three frames itself; other AMQP clients send such
+        messages, and the inbox must handle them."""
+        from aiormq.abc import ChannelFrame
+        from pamqp import commands as spec
+        from pamqp.body import ContentBody
+        from pamqp.header import ContentHeader
+
+        channel = await self.connection.channel(publisher_confirms=False)
+        await channel.declare_exchange(self.exchange, "topic", durable=True)
+        underlay = await channel.get_underlay_channel()
+        done = asyncio.get_running_loop().create_future()
+        frames = [
+            spec.Basic.Publish(exchange=self.exchange, routing_key=routing_key),
+            ContentHeader(properties=spec.Basic.Properties(**properties), body_size=len(body)),
+            ContentBody(body),
+        ]
+        await underlay.write_queue.put(
+            ChannelFrame.marshall(frames=frames, channel_number=underlay.number,
+                                  drain_future=done))
+        await done
+        await channel.close()
+
     async def drain(self, queue: aio_pika.abc.AbstractQueue, count: int,
                     timeout: float = 15.0) -> list[aio_pika.abc.AbstractIncomingMessage]:
         """Exactly `count` messages (acked), or fail after `timeout` seconds."""

@@ -295,7 +295,7 @@ class AmqpConsumer:
             message_id=message.message_id or None,
             topic=message.routing_key,
             key=str(key) if key is not None else None,
-            type=message.type or None,
+            type=message.type or message.routing_key or None,  # the contract's fallback
             body=message.body,
             headers=headers,
             ack_token=message,

@@ -1,0 +1,158 @@
+"""Handlers: the registry apps fill, the message they receive, and loading
+registries from `--handlers` or the `relay.handlers` entry point group."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from relay.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "relay.handlers"
+
+
+@dataclass(frozen=True)
+class Message:
+    """An inbox row as a handler sees it."""
+
+    id: str
+    type: str | None
+    topic: str | None
+    key: str | None
+    payload: Any
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    attempts: int = 0  # failed runs before this one
+    consumer: str = ""
+
+
+Handler = Callable[[Message, Any], Any]
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class HandlerRegistry:
+    """Maps message types to handlers.
+
+    >>> registry = HandlerRegistry()
+    >>> @registry.handler("OrderPlaced")
+    ... def on_order_placed(message, conn): ...
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+
+    def handler(self, type: str) -> Callable[[Handler], Handler]:
+        """Decorator: register the function as the handler of `type`."""
+        if not isinstance(type, str) or not type:
+            raise ValueError("a handler's message type must be a non-empty string")
+
+        def register(fn: Handler) -> Handler:
+            self.add(type, fn)
+            return fn
+
+        return register
+
+    def add(self, type: str, fn: Handler) -> None:
+        existing = self._handlers.get(type)
+        if existing is not None and existing is not fn:
+            raise ConfigError(
+                f"two handlers for message type {type!r}: {_describe(existing)} and {_describe(fn)}"
+            )
+        self._handlers[type] = fn
+
+    def get(self, type: str | None) -> Handler | None:
+        return self._handlers.get(type) if type is not None else None
+
+    def include(self, other: HandlerRegistry) -> None:
+        """Add every handler of `other`; a type handled twice is a ConfigError."""
+        for type, fn in other._handlers.items():
+            self.add(type, fn)
+
+    @property
+    def types(self) -> list[str]:
+        return sorted(self._handlers)
+
+    def __len__(self) -> int:
+        return len(self._handlers)
+
+
+def is_async(fn: Handler) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)
+    )
+
+
+async def invoke(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
+    """Run one handler inside a savepoint of `conn` (an AsyncConnection), as the daemon does.
+
+    Async handlers get the AsyncConnection and are cancelled after `timeout`;
+    sync handlers get its sync Connection. A sync handler cannot be
+    interrupted, so one that returns after `timeout` fails that attempt.
+    """
+    async with conn.begin_nested():
+        if is_async(fn):
+            async with asyncio.timeout(timeout):
+                await fn(message, conn)
+        else:
+            started = time.monotonic()
+            await conn.run_sync(lambda sync_conn: fn(message, sync_conn))
+            if timeout is not None and time.monotonic() - started > timeout:
+                raise TimeoutError(
+                    f"handler ran {time.monotonic() - started:.1f}s, over --handler-timeout"
+                    f" {timeout:g}s"
+                )
+
+
+def load(specs: Iterable[str]) -> HandlerRegistry:
+    """One registry from `module:attribute` / `module` specs, or from entry points if none."""
+    specs = list(specs)
+    merged = HandlerRegistry()
+    if specs:
+        for spec in specs:
+            merged.include(_load_spec(spec))
+        return merged
+    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            registry = entry_point.load()
+        except Exception as exc:
+            raise ConfigError(
+                f"cannot load handler entry point {entry_point.name!r} "
+                f"({entry_point.value}): {type(exc).__name__}: {exc}"
+            ) from None
+        merged.include(_check(registry, f"entry point {entry_point.value}"))
+    return merged
+
+
+def _load_spec(spec: str) -> HandlerRegistry:
+    module_name, _, attribute = spec.partition(":")
+    attribute = attribute or "registry"
+    if not module_name:
+        raise ConfigError(f"invalid --handlers {spec!r}: expected module:attribute or module")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        registry = getattr(module, attribute)
+    except AttributeError:
+        raise ConfigError(f"handler module {module_name!r} has no attribute {attribute!r}") from None
+    return _check(registry, spec)
+
+
+def _check(registry: Any, where: str) -> HandlerRegistry:
+    if not isinstance(registry, HandlerRegistry):
+        raise ConfigError(f"{where} is a {type(registry).__name__}, not a relay.HandlerRegistry")
+    return registry

@@ -1,0 +1,449 @@
+"""The inbox: store received messages, acknowledge them, dispatch them to handlers.
+
+Two loops. The receiver takes batches from the broker, inserts them with
+ON CONFLICT DO NOTHING (the producer's id is the dedup key), commits, and
+only then acknowledges them. The dispatcher claims pending rows with
+FOR UPDATE SKIP LOCKED and runs each handler in a savepoint of the
+transaction that marks the rows processed, so a handler's database effects
+happen exactly once. The dispatcher runs in its own thread with its own
+event loop: a sync handler blocks that thread, never the receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+
+import orjson
+import sqlalchemy.exc as sa_exc
+
+from relay.backoff import Backoff
+from relay.brokers import Consumer, Incoming
+from relay.config import InboxSettings
+from relay.errors import Unavailable
+from relay.handlers import HandlerRegistry, Message, invoke
+from relay.metrics import InboxMetrics
+from relay.store import Failure, InboxRow, NewInboxRow, Store
+
+log = logging.getLogger(__name__)
+
+# How long the receiver waits to fill a batch once a message has arrived.
+BATCH_WAIT = 0.005
+BLOCKED_RETRY = 0.005
+
+
+def dedup_key(message: Incoming) -> str:
+    """The producer's id, else sha256: + the hex digest of the body."""
+    if message.message_id:
+        return message.message_id
+    return "sha256:" + hashlib.sha256(message.body).hexdigest()
+
+
+def _json_text(body: bytes) -> tuple[str | None, str | None]:
+    """(JSON text, None) for a JSON body, (None, why not) otherwise."""
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        try:  # orjson refuses some valid JSON (integers over 64 bits)
+            json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return None, f"body is not valid JSON ({exc}); the raw bytes are kept in inbox.body"
+    try:
+        return body.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        return None, f"body is not valid UTF-8 ({exc}); the raw bytes are kept in inbox.body"
+
+
+def to_row(message: Incoming) -> NewInboxRow:
+    """The inbox row for a received message; a body that is not JSON is kept, dead."""
+    payload, error = _json_text(message.body)
+    return NewInboxRow(
+        message_id=dedup_key(message),
+        topic=message.topic,
+        key=message.key,
+        type=message.type,
+        payload=payload,
+        body=message.body if payload is None else None,
+        headers=orjson.dumps(message.headers, default=str).decode(),
+        status="pending" if payload is not None else "dead",
+        last_error=error,
+    )
+
+
+class Receiver:
+    """Broker → inbox table, acknowledging only what is committed."""
+
+    def __init__(
+        self,
+        settings: InboxSettings,
+        store: Store,
+        consumer: Consumer,
+        metrics: InboxMetrics,
+        on_stored: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.consumer = consumer
+        self.metrics = metrics
+        self.on_stored = on_stored
+        self.stopping = asyncio.Event()
+        self.reconnect = Backoff(0.5, 30.0)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    async def run(self) -> None:
+        failures = 0
+        while not self.stopping.is_set():
+            try:
+                await self._consume()
+                failures = 0
+            except Unavailable as exc:
+                failures += 1
+                delay = self.reconnect.delay(failures)
+                log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
+                await _wait(self.stopping, delay)
+
+    async def _consume(self) -> None:
+        batches = self.consumer.batches(self.settings.batch_size, BATCH_WAIT)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            while not self.stopping.is_set():
+                next_batch = asyncio.ensure_future(anext(batches))
+                await asyncio.wait({next_batch, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_batch.done():
+                    # Stopping: what was received and not stored is not
+                    # acknowledged, so the broker delivers it again.
+                    next_batch.cancel()
+                    await asyncio.gather(next_batch, return_exceptions=True)
+                    return
+                batch = next_batch.result()
+                await self.store_batch(batch)
+        finally:
+            stop.cancel()
+            await batches.aclose()
+
+    async def store_batch(self, batch: Sequence[Incoming]) -> None:
+        """Insert and commit, then acknowledge. Holds on to the batch (unacked)
+        while the database is away, unless stopping."""
+        rows = [to_row(m) for m in batch]
+        failures = 0
+        while True:
+            try:
+                new = await self._insert(rows)
+                break
+            except Unavailable as exc:
+                if self.stopping.is_set():
+                    raise
+                failures += 1
+                delay = self.reconnect.delay(failures)
+                log.warning(
+                    "cannot store %d received messages: %s; retrying in %.1fs",
+                    len(rows), exc, delay, extra={"action": "store_wait"},
+                )
+                await _wait(self.stopping, delay)
+        await self.consumer.ack(batch)
+        fresh = len(new)
+        self.metrics.received.inc(len(rows))
+        self.metrics.duplicates.inc(len(rows) - fresh)
+        for row in rows:
+            if row.status == "dead" and row.message_id in new:
+                self.metrics.dead.inc()
+                log.warning(
+                    "stored as dead: %s", row.last_error,
+                    extra={"action": "received_dead", "message_id": row.message_id,
+                           "topic": row.topic},
+                )
+        if fresh:
+            self.on_stored()
+
+    async def _insert(self, rows: list[NewInboxRow]) -> set[str]:
+        consumer = self.settings.consumer_name
+        try:
+            return await self.store.insert_inbox(consumer, rows)
+        except sa_exc.DataError:
+            # JSON that PostgreSQL's jsonb refuses (a \u0000 escape, a
+            # number out of range) sinks the whole statement: store row by
+            # row, keeping the refused bodies as dead rows.
+            new: set[str] = set()
+            for row in rows:
+                try:
+                    new |= await self.store.insert_inbox(consumer, [row])
+                except sa_exc.DataError as exc:
+                    kept = NewInboxRow(
+                        message_id=row.message_id, topic=row.topic, key=row.key,
+                        type=row.type, payload=None,
+                        body=(row.payload or "").encode() if row.body is None else row.body,
+                        headers=row.headers, status="dead",
+                        last_error=f"PostgreSQL refused the JSON body: "
+                        f"{str(exc.orig).splitlines()[0]}; the raw bytes are kept in inbox.body",
+                    )
+                    new |= await self.store.insert_inbox(consumer, [kept])
+            return new
+
+
+class Dispatcher:
+    """Pending inbox rows → handlers, in per-key order, exactly once per commit."""
+
+    def __init__(
+        self,
+        settings: InboxSettings,
+        store: Store,
+        registry: HandlerRegistry,
+        metrics: InboxMetrics,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.registry = registry
+        self.metrics = metrics
+        self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
+        self.reconnect = Backoff(0.5, 30.0)
+        self.wakeup = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.last_progress = time.monotonic()
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wakeup.set()
+
+    async def dispatch_batch(self) -> tuple[int, int]:
+        """Claim and handle one batch; returns (rows handled or failed, rows blocked)."""
+        s = self.settings
+        consumer = s.consumer_name
+        async with self.store.transaction() as conn:
+            rows, blocked = await self.store.claim_inbox(conn, consumer, s.batch_size, s.on_dead)
+            if not rows:
+                return 0, blocked
+            processed: list[str] = []
+            failed: list[tuple[InboxRow, Failure, float]] = []
+            failed_keys: set[str] = set()
+            for row in rows:
+                if row.key is not None and row.key in failed_keys:
+                    continue  # a failed row holds its key: later rows wait, untouched
+                failure = await self._handle(conn, row)
+                if failure is None:
+                    processed.append(row.message_id)
+                    continue
+                failed.append((row, failure, self.backoff.delay(row.attempts + 1)))
+                if row.key is not None:
+                    failed_keys.add(row.key)
+            await self.store.mark_processed(conn, consumer, processed)
+            statuses = await self.store.mark_inbox_failed(conn, consumer, failed, s.max_attempts)
+        self.metrics.processed.inc(len(processed))
+        for row, failure, delay in failed:
+            dead = statuses.get(row.message_id) == "dead"
+            self.metrics.failed.inc()
+            if dead:
+                self.metrics.dead.inc()
+            log.warning(
+                "handler failed%s: %s", " (dead)" if dead else f" (retry in {delay:.1f}s)",
+                failure.error.splitlines()[0] if failure.error else "",
+                extra={"action": "handler_failed", "message_id": row.message_id,
+                       "type": row.type, "topic": row.topic, "attempts": row.attempts + 1},
+            )
+        return len(processed) + len(failed), blocked
+
+    async def _handle(self, conn: object, row: InboxRow) -> Failure | None:
+        handler = self.registry.get(row.type)
+        if handler is None:
+            return Failure(f"no handler registered for message type {row.type!r}", permanent=True)
+        headers = orjson.loads(row.headers) if row.headers else {}
+        message = Message(
+            id=row.message_id,
+            type=row.type,
+            topic=row.topic,
+            key=row.key,
+            payload=orjson.loads(row.payload) if row.payload is not None else None,
+            headers=headers,
+            attempts=row.attempts,
+            consumer=self.settings.consumer_name,
+        )
+        started = time.perf_counter()
+        try:
+            await invoke(handler, message, conn, self.settings.handler_timeout)
+        except Unavailable:
+            raise
+        except Exception as exc:
+            if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+                raise  # the database went away: not the handler's failure
+            return Failure(_error_text(exc))
+        finally:
+            self.metrics.handler_seconds.observe(time.perf_counter() - started)
+        log.debug(
+            "handled", extra={"action": "handled", "message_id": row.message_id,
+                              "type": row.type, "traceparent": headers.get("traceparent")},
+        )
+        return None
+
+    async def run(self) -> None:
+        failures = 0
+        while not self.stopping.is_set():
+            self.wakeup.clear()
+            try:
+                done, blocked = await self.dispatch_batch()
+                failures = 0
+            except Unavailable as exc:
+                failures += 1
+                delay = self.reconnect.delay(failures)
+                log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
+                await _wait(self.stopping, delay)
+                continue
+            except sa_exc.DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+                failures += 1
+                await _wait(self.stopping, self.reconnect.delay(failures))
+                continue
+            self.last_progress = time.monotonic()
+            if done:
+                continue
+            if blocked:
+                await asyncio.sleep(BLOCKED_RETRY)
+                continue
+            await _wait(self.wakeup, self.settings.poll_interval)
+
+
+def _error_text(exc: BaseException) -> str:
+    """Exception type, message and traceback, as last_error keeps them."""
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        pass
+
+
+class DispatcherThread:
+    """Runs a Dispatcher on its own event loop in a thread of its own."""
+
+    def __init__(self, make: Callable[[], tuple[Store, Dispatcher]]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dispatcher: Dispatcher | None = None
+        self._stop_requested = False
+
+    def _call(self, method: str) -> None:
+        with self._lock:
+            if self._loop is not None and self.dispatcher is not None:
+                self._loop.call_soon_threadsafe(getattr(self.dispatcher, method))
+
+    def wake(self) -> None:
+        self._call("wake")
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop_requested = True
+        self._call("stop")
+
+    def _main(self) -> None:
+        async def body() -> None:
+            store, dispatcher = self._make()
+            with self._lock:
+                self._loop, self.dispatcher = asyncio.get_running_loop(), dispatcher
+                if self._stop_requested:
+                    dispatcher.stop()
+            try:
+                await dispatcher.run()
+            finally:
+                await store.close()
+
+        asyncio.run(body())
+
+    async def run(self) -> None:
+        """Run the thread until the dispatcher stops; its crash propagates here."""
+        try:
+            await asyncio.to_thread(self._main)
+        except asyncio.CancelledError:
+            self.stop()  # the thread finishes its batch and exits on its own
+            raise
+
+
+async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int:
+    """`relay inbox`: receiver, dispatcher, listener, jobs and probes; returns the exit code."""
+    from relay.brokers import make_consumer
+    from relay.lifecycle import Daemon, sd_notify, systemd_watchdog
+    from relay.maintenance import run_scheduler
+    from relay.store import NOTIFY_INBOX, Listener
+
+    assert settings.broker is not None
+    metrics = InboxMetrics()
+    store = Store(settings.database_url, pool_size=2)
+    consumer = make_consumer(
+        settings.broker, queue=settings.queue, exchange=settings.exchange,
+        binds=settings.binds, prefetch=settings.prefetch,
+    )
+    dispatcher = DispatcherThread(
+        lambda: (
+            dispatch_store := Store(settings.database_url, pool_size=2),
+            Dispatcher(settings, dispatch_store, registry, metrics),
+        )
+    )
+    receiver = Receiver(settings, store, consumer, metrics, on_stored=dispatcher.wake)
+    if not len(registry):
+        log.warning("no handlers registered: every message will be stored as dead "
+                    "(give --handlers or install a package with relay.handlers entry points)")
+
+    async def ready_to_start() -> None:
+        failures = 0
+        while not receiver.stopping.is_set():
+            try:
+                await store.check_schema()
+                await consumer.connect()
+                return
+            except Unavailable as exc:
+                failures += 1
+                delay = receiver.reconnect.delay(failures)
+                log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
+                await _wait(receiver.stopping, delay)
+
+    async def main() -> None:
+        await ready_to_start()
+        if receiver.stopping.is_set():
+            return
+        sd_notify("READY=1")
+        log.info(
+            "inbox started: queue %r, consumer %r, handlers for %s",
+            settings.queue, settings.consumer_name, ", ".join(registry.types) or "no types",
+            extra={"action": "started"},
+        )
+        await asyncio.gather(receiver.run(), dispatcher.run())
+
+    def stop() -> None:
+        receiver.stop()
+        dispatcher.stop()
+
+    async def ready() -> bool:
+        await store.ping()
+        return consumer.connected
+
+    daemon = Daemon(
+        name="inbox",
+        main=main,
+        stop_main=stop,
+        shutdown_timeout=settings.shutdown_timeout,
+        ready=ready,
+        http_port=settings.http_port,
+        metrics=metrics.render,
+        on_stop=[consumer.close, store.close],
+    )
+    listener = Listener(store.conninfo, NOTIFY_INBOX, dispatcher.wake)
+    daemon.background = {
+        "listener": listener.run,
+        "scheduler": lambda: run_scheduler(
+            store, "inbox", settings.retention, metrics, daemon.stop_event
+        ),
+        "watchdog": lambda: systemd_watchdog(daemon, daemon.alive),
+    }
+    return await daemon.run()

@@ -1,0 +1,68 @@
+"""Handlers the inbox tests load with --handlers tests.apps.handlers:registry.
+
+Every handler records its effect in the `effects` table of the test's
+database (the tests create it), inside the inbox transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import sqlalchemy as sa
+
+import relay
+
+registry = relay.HandlerRegistry()
+
+EFFECTS_DDL = (
+    "CREATE TABLE effects (id bigserial PRIMARY KEY, message_id text NOT NULL, "
+    "type text, key text, n int, traceparent text, at timestamptz DEFAULT clock_timestamp())"
+)
+
+_INSERT = sa.text(
+    "INSERT INTO effects (message_id, type, key, n, traceparent) "
+    "VALUES (:m, :t, :k, :n, :tp)"
+)
+
+
+def _effect(message: relay.Message) -> dict[str, object]:
+    payload = message.payload if isinstance(message.payload, dict) else {}
+    return {"m": message.id, "t": message.type, "k": message.key, "n": payload.get("n"),
+            "tp": message.headers.get("traceparent")}
+
+
+@registry.handler("Effect")
+def effect(message: relay.Message, conn: sa.Connection) -> None:
+    conn.execute(_INSERT, _effect(message))
+
+
+@registry.handler("AsyncEffect")
+async def async_effect(message: relay.Message, conn) -> None:  # AsyncConnection
+    await conn.execute(_INSERT, _effect(message))
+
+
+@registry.handler("Flaky")
+def flaky(message: relay.Message, conn: sa.Connection) -> None:
+    """Writes, then fails while attempts < payload['fail_times']."""
+    conn.execute(_INSERT, _effect(message))
+    if message.attempts < message.payload["fail_times"]:
+        raise RuntimeError(f"flaky failure on attempt {message.attempts + 1}")
+
+
+@registry.handler("AlwaysFails")
+def always_fails(message: relay.Message, conn: sa.Connection) -> None:
+    conn.execute(_INSERT, _effect(message))
+    raise ValueError("this handler always fails")
+
+
+@registry.handler("Slow")
+def slow(message: relay.Message, conn: sa.Connection) -> None:
+    time.sleep(message.payload.get("seconds", 1))
+    conn.execute(_INSERT, _effect(message))
+
+
+@registry.handler("AsyncHang")
+async def async_hang(message: relay.Message, conn) -> None:
+    await conn.execute(_INSERT, _effect(message))
+    await asyncio.sleep(3600)

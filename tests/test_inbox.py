@@ -1,0 +1,288 @@
+"""`relay inbox` against the real PostgreSQL and RabbitMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import signal
+import time
+import uuid
+
+import orjson
+import pytest
+import sqlalchemy as sa
+
+import relay
+from tests.apps.handlers import EFFECTS_DDL
+from tests.conftest import rows, wait_until
+
+HANDLERS = "tests.apps.handlers:registry"
+
+
+@pytest.fixture
+def effects(engine):
+    rows(engine, EFFECTS_DDL)
+    return engine
+
+
+@pytest.fixture
+def inbox(rabbit, start_relay):
+    """Start `relay inbox` on a fresh queue bound to the test's exchange."""
+    queue = f"{rabbit.exchange}.in"
+    rabbit.queues.append(queue)
+
+    def start(*extra: str, handlers: str | None = HANDLERS, bind: str = "#"):
+        args = ["inbox", "--queue", queue, "--exchange", rabbit.exchange, "--bind", bind,
+                "--poll-interval", "0.5", "--backoff-min", "0.2", "--backoff-max", "0.5"]
+        if handlers:
+            args += ["--handlers", handlers]
+        proc = start_relay(*args, *extra)
+        proc.queue = queue
+        proc.wait_for_log("inbox started")
+        return proc
+
+    return start
+
+
+def inbox_rows(engine):
+    return rows(engine, "SELECT message_id, status, attempts, last_error, type, key, topic "
+                        "FROM inbox ORDER BY seq")
+
+
+def effect_ids(engine):
+    return [r[0] for r in rows(engine, "SELECT message_id FROM effects ORDER BY id")]
+
+
+async def publish(rabbit, routing_key="orders.placed", body=b'{"n": 1}', **props):
+    await rabbit.publish(routing_key, body, **props)
+
+
+async def test_message_is_stored_handled_and_marked_processed(effects, rabbit, inbox):
+    daemon = inbox()
+    await publish(rabbit, body=b'{"n": 5}', message_id="m-1", type="Effect",
+                  headers={"x-relay-key": "order-5", "traceparent": "00-aa-bb-01"})
+    wait_until(lambda: effect_ids(effects) == ["m-1"])
+    wait_until(lambda: inbox_rows(effects)[0][1] == "processed")
+    [(message_id, status, attempts, error, type_, key, topic)] = inbox_rows(effects)
+    assert (message_id, status, attempts, error) == ("m-1", "processed", 0, None)
+    assert (type_, key, topic) == ("Effect", "order-5", "orders.placed")
+    [(payload, headers, processed_at)] = rows(
+        effects, "SELECT payload, headers, processed_at FROM inbox")
+    assert payload == {"n": 5}
+    assert headers["traceparent"] == "00-aa-bb-01"
+    assert processed_at is not None
+    assert rows(effects, "SELECT n, key, traceparent FROM effects") == [
+        (5, "order-5", "00-aa-bb-01")]
+    daemon.stop()
+    assert daemon.proc.returncode == 0
+
+
+async def test_async_handler_gets_an_async_connection(effects, rabbit, inbox):
+    inbox()
+    await publish(rabbit, message_id="a-1", type="AsyncEffect")
+    wait_until(lambda: effect_ids(effects) == ["a-1"])
+    wait_until(lambda: inbox_rows(effects)[0][1] == "processed")
+
+
+async def test_same_message_three_times_to_three_inboxes_gives_one_row_and_one_effect(
+    effects, rabbit, inbox
+):
+    daemons = [inbox() for _ in range(3)]
+    for _ in range(3):
+        await asyncio.gather(*[
+            publish(rabbit, message_id=f"dup-{i}", type="Effect", body=b'{"n": %d}' % i)
+            for i in range(20)
+        ])
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status = 'processed'"))
+               == 20)
+    time.sleep(1)  # any second effect would have landed by now
+    assert sorted(effect_ids(effects)) == sorted(f"dup-{i}" for i in range(20))
+    assert len(rows(effects, "SELECT 1 FROM inbox")) == 20
+    # Every copy was acknowledged: the queue is empty.
+    probe = await rabbit.connection.channel()
+    declared = await probe.declare_queue(daemons[0].queue, passive=True)
+    wait_until(lambda: True)
+    assert declared.declaration_result.message_count == 0
+
+
+async def test_fail_then_succeed_retries_with_backoff(effects, rabbit, inbox):
+    inbox()
+    await publish(rabbit, message_id="f-1", type="Flaky", body=b'{"fail_times": 2, "n": 1}')
+    wait_until(lambda: inbox_rows(effects) and inbox_rows(effects)[0][1] == "processed")
+    [(_, status, attempts, error, *_)] = inbox_rows(effects)
+    assert (status, attempts, error) == ("processed", 2, None)
+    # The two failed runs rolled back their writes; the third stayed.
+    assert effect_ids(effects) == ["f-1"]
+
+
+async def test_always_failing_handler_ends_dead_with_no_effect(effects, rabbit, inbox):
+    inbox("--max-attempts", "3")
+    await publish(rabbit, message_id="x-1", type="AlwaysFails")
+    wait_until(lambda: inbox_rows(effects) and inbox_rows(effects)[0][1] == "dead")
+    [(_, status, attempts, error, *_)] = inbox_rows(effects)
+    assert (status, attempts) == ("dead", 3)
+    assert error.startswith("Traceback")
+    assert "ValueError: this handler always fails" in error
+    assert "always_fails" in error  # the traceback names the handler
+    assert effect_ids(effects) == []
+
+
+async def test_unknown_type_is_dead_at_once_naming_the_type(effects, rabbit, inbox):
+    inbox()
+    await publish(rabbit, message_id="u-1", type="NobodyHandlesThis")
+    wait_until(lambda: inbox_rows(effects) and inbox_rows(effects)[0][1] == "dead")
+    [(_, status, attempts, error, *_)] = inbox_rows(effects)
+    assert attempts == 1
+    assert "NobodyHandlesThis" in error
+
+
+async def test_type_falls_back_to_the_routing_key(effects, rabbit, inbox):
+    inbox()
+    await publish(rabbit, routing_key="Effect", message_id="r-1")
+    wait_until(lambda: effect_ids(effects) == ["r-1"])
+    assert inbox_rows(effects)[0][4] == "Effect"
+
+
+async def test_non_json_body_is_kept_and_dead(effects, rabbit, inbox):
+    inbox()
+    body = b"\xff\xfe not json"
+    await publish(rabbit, message_id="bad-1", type="Effect", body=body)
+    await publish(rabbit, message_id="bad-2", type="Effect", body=b'{"nul": "\\u0000"}')
+    await publish(rabbit, message_id="ok-1", type="Effect")
+    wait_until(lambda: effect_ids(effects) == ["ok-1"])
+    stored = {r[0]: r for r in rows(
+        effects, "SELECT message_id, status, payload, body, last_error FROM inbox")}
+    assert stored["bad-1"][1:4] == ("dead", None, body)
+    assert "not valid JSON" in stored["bad-1"][4]
+    assert stored["bad-2"][1] == "dead" and bytes(stored["bad-2"][3]) == b'{"nul": "\\u0000"}'
+    assert "refused" in stored["bad-2"][4]
+
+
+async def test_missing_message_id_dedups_by_body_hash(effects, rabbit, inbox):
+    inbox()
+    for _ in range(3):
+        await rabbit.publish_without_message_id("orders", b'{"n": 9}', message_type="Effect")
+    expected = "sha256:" + hashlib.sha256(b'{"n": 9}').hexdigest()
+    wait_until(lambda: effect_ids(effects) == [expected])
+    time.sleep(0.5)
+    assert [r[0] for r in inbox_rows(effects)] == [expected]
+    assert effect_ids(effects) == [expected]
+
+
+async def test_per_key_dispatch_order_with_three_inboxes(effects, rabbit, inbox):
+    for _ in range(3):
+        inbox("--batch-size", "20")
+    for n in range(600):
+        await publish(rabbit, message_id=f"o-{n}", type="Effect",
+                      body=orjson.dumps({"n": n}), headers={"x-relay-key": f"k{n % 12}"})
+    wait_until(lambda: len(effect_ids(effects)) == 600, timeout=60)
+    last: dict[str, int] = {}
+    for key, n in rows(effects, "SELECT key, n FROM effects ORDER BY at, id"):
+        assert n > last.get(key, -1), f"{key}: {n} handled after {last[key]}"
+        last[key] = n
+
+
+async def test_kill_9_between_insert_and_ack_loses_and_duplicates_nothing(
+    effects, rabbit, inbox
+):
+    first = inbox("--batch-size", "50")
+    for n in range(3000):
+        await publish(rabbit, message_id=f"k-{n}", type="Effect", body=orjson.dumps({"n": n}))
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) > 200)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    inbox()
+    wait_until(lambda: len(effect_ids(effects)) >= 3000, timeout=60)
+    time.sleep(1)
+    ids = effect_ids(effects)
+    assert len(ids) == 3000 and len(set(ids)) == 3000
+    assert rows(effects, "SELECT status, count(*) FROM inbox GROUP BY status") == [
+        ("processed", 3000)]
+
+
+async def test_status_and_retry_commands(effects, rabbit, inbox, run_relay):
+    inbox("--max-attempts", "1")
+    await publish(rabbit, message_id="s-1", type="AlwaysFails")
+    await publish(rabbit, message_id="s-2", type="Effect")
+    wait_until(lambda: sorted(r[1] for r in inbox_rows(effects)) == ["dead", "processed"])
+    with effects.begin() as conn:
+        relay.enqueue(conn, "t", {})
+    result = run_relay("status", "--json")
+    assert result.returncode == 0, result.stderr
+    report = orjson.loads(result.stdout)
+    assert report["inbox"] == {"pending": 0, "processed": 1, "dead": 1,
+                               "oldest_pending_seconds": None}
+    assert report["outbox"]["pending"] == 1
+    assert report["outbox"]["oldest_pending_seconds"] >= 0
+    text = run_relay("status")
+    assert "inbox: pending 0, processed 1, dead 1" in text.stdout
+
+    result = run_relay("retry", "inbox", "--id", "s-1", "--consumer", "someone-else")
+    assert result.stdout.strip() == "retried 0 inbox rows"
+    result = run_relay("retry", "inbox", "--all-dead")
+    assert result.returncode == 0 and result.stdout.strip() == "retried 1 inbox row"
+    # Retried and woken at once: it fails again (max-attempts 1) and is dead again.
+    wait_until(lambda: rows(effects, "SELECT attempts, status FROM inbox "
+                                     "WHERE message_id = 's-1'") == [(1, "dead")])
+    assert run_relay("retry", "outbox").returncode == 2
+    bad = run_relay("retry", "outbox", "--id", "not-a-uuid")
+    assert bad.returncode == 2 and "not-a-uuid" in bad.stderr
+
+
+def test_handler_loading_errors_exit_2(run_relay):
+    base = ["inbox", "--queue", "q"]
+    cases = {
+        "tests.apps.broken_handlers": "cannot import handler module 'tests.apps.broken_handlers'",
+        "tests.apps.nope": "cannot import handler module 'tests.apps.nope'",
+        "tests.apps.other_handlers:missing": "has no attribute 'missing'",
+        "tests.apps.other_handlers:not_a_registry": "not a relay.HandlerRegistry",
+    }
+    for spec, expected in cases.items():
+        result = run_relay(*base, "--handlers", spec)
+        assert result.returncode == 2, (spec, result.stderr)
+        assert expected in result.stderr, (spec, result.stderr)
+        assert "Traceback" not in result.stderr
+    clash = run_relay(*base, "--handlers", HANDLERS, "--handlers", "tests.apps.other_handlers")
+    assert clash.returncode == 2
+    assert "two handlers for message type 'Effect'" in clash.stderr
+    assert "tests.apps.handlers.effect" in clash.stderr
+    assert "tests.apps.other_handlers.clashing_effect" in clash.stderr
+
+
+async def test_entry_point_registries_load_when_no_handlers_flag(
+    effects, rabbit, inbox, tmp_path, relay_env
+):
+    dist = tmp_path / "orders_app-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: orders-app\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[relay.handlers]\norders = tests.apps.handlers:registry\n")
+    relay_env["PYTHONPATH"] = str(tmp_path)
+    inbox(handlers=None)
+    await publish(rabbit, message_id="ep-1", type="Effect")
+    wait_until(lambda: effect_ids(effects) == ["ep-1"])
+
+
+async def test_outbox_to_inbox_end_to_end_carries_id_key_and_traceparent(
+    effects, rabbit, inbox, run_relay
+):
+    inbox(bind="orders.#")
+    with effects.begin() as conn:
+        ids = [relay.enqueue(conn, "orders.placed", {"n": n}, key="order-1", type="Effect",
+                             headers={"traceparent": f"00-{n:032x}-{n:016x}-01"})
+               for n in range(5)]
+    assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0
+    wait_until(lambda: len(effect_ids(effects)) == 5)
+    got = rows(effects, "SELECT message_id, key, n, traceparent FROM effects ORDER BY id")
+    assert [g[0] for g in got] == [str(i) for i in ids]
+    assert [g[2] for g in got] == [0, 1, 2, 3, 4]
+    assert all(g[1] == "order-1" and g[3].startswith("00-") for g in got)
+
+
+def test_relay_message_is_importable_and_registry_rejects_bad_types():
+    registry = relay.HandlerRegistry()
+    with pytest.raises(ValueError):
+        registry.handler("")
+    assert relay.Message(id=str(uuid.uuid4()), type="T", topic=None, key=None,
+                         payload={}).attempts == 0
+    assert isinstance(sa.text("SELECT 1"), sa.TextClause)
