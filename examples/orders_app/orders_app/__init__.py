@@ -1,0 +1,1 @@
+"""An example app: it places orders (outbox) and reacts to payments (inbox)."""
