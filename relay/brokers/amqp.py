@@ -19,8 +19,9 @@ import aio_pika
 import aiormq
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
-from pamqp import commands as spec
+from aiormq.abc import ChannelFrame
 
+from relay.brokers.amqp_wire import publish_frames, shortstr
 from relay.brokers import (
     BadMessage,
     Incoming,
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 KEY_HEADER = "x-relay-key"
 CONNECT_TIMEOUT = 10.0
 CONFIRM_TIMEOUT = 60.0
+# RabbitMQ's default max_message_size (128 MiB); a larger publish would make
+# the broker close the channel, failing the whole batch.
+MAX_MESSAGE_SIZE = 128 * 1024 * 1024
 
 # What a broken connection or channel looks like from aiormq and the OS.
 _CONNECTION_ERRORS = (
@@ -80,6 +84,10 @@ class AmqpPublisher:
     def __init__(self, url: str, *, exchange: str) -> None:
         self.url = url
         self.exchange = exchange
+        try:
+            self._exchange_name = shortstr(exchange)
+        except ValueError as exc:
+            raise ConfigError(f"invalid --exchange: {exc}") from None
         self._connection: AbstractConnection | None = None
         self._channel: aiormq.abc.AbstractChannel | None = None
 
@@ -118,73 +126,92 @@ class AmqpPublisher:
             except _CONNECTION_ERRORS:
                 pass
 
-    def _frame(self, row: OutboxRow) -> tuple[bytes, spec.Basic.Properties]:
+    def _encode(self, channel: aiormq.abc.AbstractChannel, row: OutboxRow) -> bytes:
+        """The frames of one row's publish; BadMessage when no broker could carry it."""
         check_topic(row)
-        headers: dict[str, Any] = dict(row_headers(row))
+        headers = row_headers(row)
         if row.key is not None:
             headers[KEY_HEADER] = row.key
-        properties = spec.Basic.Properties(
-            content_type="application/json",
-            delivery_mode=2,
-            message_id=str(row.id),
-            message_type=row.type,
-            timestamp=row.created_at,
-            headers=headers,
-        )
-        return row_body(row), properties
+        body = row_body(row)
+        if len(body) > MAX_MESSAGE_SIZE:
+            raise BadMessage(
+                f"payload is {len(body)} bytes, over RabbitMQ's message size limit "
+                f"({MAX_MESSAGE_SIZE} bytes)"
+            )
+        try:
+            return publish_frames(
+                channel.number, self._exchange_name, row.topic, body,
+                message_id=str(row.id), type=row.type, timestamp=row.created_at,
+                headers=headers, max_content_size=channel.max_content_size,
+            )
+        except ValueError as exc:  # a topic, type or header name over 255 bytes
+            raise BadMessage(str(exc)) from None
 
     async def publish(self, rows: Sequence[OutboxRow]) -> list[PublishResult]:
         await self.connect()
         channel = self._channel
         assert channel is not None
         results: list[PublishResult] = [None] * len(rows)
-        pending: list[tuple[int, asyncio.Task[Any]]] = []
-        for index, row in enumerate(rows):
-            try:
-                body, properties = self._frame(row)
-            except BadMessage as exc:
-                results[index] = Failure(str(exc), permanent=True)
-                continue
-            # Tasks start in creation order and take the channel lock in
-            # that order, so the broker sees the batch in seq order.
-            task = asyncio.ensure_future(
-                channel.basic_publish(
-                    body,
-                    exchange=self.exchange,
-                    routing_key=row.topic,
-                    properties=properties,
-                    mandatory=True,
-                    timeout=CONFIRM_TIMEOUT,
-                    wait=False,
-                )
-            )
-            pending.append((index, task))
+        waiting: list[tuple[int, asyncio.Future[Any], str]] = []
+        frames: list[bytes] = []
+        # The whole batch goes out as one buffer. Delivery tags are the
+        # channel's publish sequence numbers, so they are taken under the
+        # channel's lock, in the order the frames are written.
+        async with channel.lock:
+            for index, row in enumerate(rows):
+                try:
+                    frames.append(self._encode(channel, row))
+                except BadMessage as exc:
+                    results[index] = Failure(str(exc), permanent=True)
+                    continue
+                channel.delivery_tag += 1
+                tag = channel.delivery_tag
+                # A future of the channel's: aiormq rejects it if the channel closes.
+                confirmation = channel.create_future()
+                channel.confirmations[tag] = confirmation
+                channel.message_id_delivery_tag[str(row.id)] = tag  # to match returns
+                waiting.append((index, confirmation, str(row.id)))
+            if frames:
+                try:
+                    await channel.write_queue.put(
+                        ChannelFrame(payload=b"".join(frames), should_close=False)
+                    )
+                except _CONNECTION_ERRORS as exc:
+                    raise _unavailable(exc, self.url) from exc
+        if not waiting:
+            return results
+        done, pending = await asyncio.wait(
+            [future for _, future, _ in waiting], timeout=CONFIRM_TIMEOUT
+        )
         broken: BaseException | None = None
-        for index, task in pending:
-            try:
-                confirmation = await task
-            except aiormq.exceptions.PublishError:
-                results[index] = Failure(
-                    f"unroutable: no queue is bound to exchange {self.exchange!r} "
-                    f"for routing key {rows[index].topic!r}"
-                )
-                continue
-            except aiormq.exceptions.DeliveryError as exc:
-                results[index] = Failure(f"rejected by RabbitMQ (nack): {exc}")
-                continue
-            except _CONNECTION_ERRORS as exc:
-                broken = broken or exc
+        for index, confirmation, message_id in waiting:
+            channel.message_id_delivery_tag.pop(message_id, None)
+            if confirmation not in done:
+                broken = broken or TimeoutError(f"no confirm within {CONFIRM_TIMEOUT:.0f}s")
                 results[index] = Outcome.RELEASE
                 continue
-            if isinstance(confirmation, aiormq.abc.DeliveredMessage):  # returned
-                results[index] = Failure(
-                    f"unroutable: no queue is bound to exchange {self.exchange!r} "
-                    f"for routing key {rows[index].topic!r}"
-                )
+            exc = None if confirmation.cancelled() else confirmation.exception()
+            if exc is None and not confirmation.cancelled():
+                if isinstance(confirmation.result(), aiormq.abc.DeliveredMessage):  # returned
+                    results[index] = self._unroutable(rows[index])
+                continue
+            if isinstance(exc, aiormq.exceptions.PublishError):
+                results[index] = self._unroutable(rows[index])
+            elif isinstance(exc, aiormq.exceptions.DeliveryError):
+                results[index] = Failure(f"rejected by RabbitMQ (nack): {exc}")
+            else:  # the channel or connection closed before the confirm came
+                broken = broken or exc or asyncio.CancelledError()
+                results[index] = Outcome.RELEASE
         if broken is not None:
             log.warning("RabbitMQ connection lost mid-batch: %s", _unavailable(broken, self.url))
             await self.close()
         return results
+
+    def _unroutable(self, row: OutboxRow) -> Failure:
+        return Failure(
+            f"unroutable: no queue is bound to exchange {self.exchange!r} "
+            f"for routing key {row.topic!r}"
+        )
 
 
 def _jsonable(value: Any) -> Any:

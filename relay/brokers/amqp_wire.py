@@ -1,0 +1,96 @@
+"""Encoding Basic.Publish frames for a whole batch at once.
+
+aiormq builds each publish through pamqp's generic, reflective encoder and
+sends it from a coroutine of its own: over a hundred microseconds of Python
+per message. The outbox publishes one shape of message only, so this module
+encodes it directly with struct, producing the same bytes pamqp would (a
+test compares them), and the publisher hands aiormq's connection one
+buffer per batch. aiormq still owns the socket, the channel state and the
+confirms; this is only the encoder.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from datetime import datetime
+
+FRAME_METHOD = 1
+FRAME_HEADER = 2
+FRAME_BODY = 3
+FRAME_END = b"\xce"
+BASIC_CLASS = 60
+BASIC_PUBLISH = 40
+
+# Property flag bits (AMQP 0-9-1, Basic class), most significant first.
+FLAG_CONTENT_TYPE = 1 << 15
+FLAG_HEADERS = 1 << 13
+FLAG_DELIVERY_MODE = 1 << 12
+FLAG_MESSAGE_ID = 1 << 7
+FLAG_TIMESTAMP = 1 << 6
+FLAG_TYPE = 1 << 5
+
+_frame_head = struct.Struct(">BHI").pack
+_publish_head = struct.Struct(">HHH").pack(BASIC_CLASS, BASIC_PUBLISH, 0)
+_header_head = struct.Struct(">HHQH").pack
+_u32 = struct.Struct(">I").pack
+_u64 = struct.Struct(">Q").pack
+_CONTENT_TYPE = b"\x10application/json"  # shortstr
+
+
+def shortstr(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    if len(raw) > 255:
+        raise ValueError(f"{value[:40]!r}... is longer than 255 bytes, the AMQP limit for it")
+    return bytes((len(raw),)) + raw
+
+
+def string_table(table: Mapping[str, str]) -> bytes:
+    """An AMQP field table whose values are all long strings ('S')."""
+    parts = []
+    for name, value in table.items():
+        raw = value.encode("utf-8")
+        parts.append(shortstr(name) + b"S" + _u32(len(raw)) + raw)
+    body = b"".join(parts)
+    return _u32(len(body)) + body
+
+
+def publish_frames(
+    channel: int,
+    exchange: bytes,
+    routing_key: str,
+    body: bytes,
+    *,
+    message_id: str,
+    type: str | None,
+    timestamp: datetime,
+    headers: Mapping[str, str],
+    max_content_size: int,
+    mandatory: bool = True,
+) -> bytes:
+    """Method, header and body frames of one persistent JSON publish.
+
+    `exchange` is the exchange name already encoded as a shortstr."""
+    method = _publish_head + exchange + shortstr(routing_key) + (b"\x01" if mandatory else b"\x00")
+
+    flags = FLAG_CONTENT_TYPE | FLAG_DELIVERY_MODE | FLAG_MESSAGE_ID | FLAG_TIMESTAMP
+    props = [_CONTENT_TYPE]
+    if headers:
+        flags |= FLAG_HEADERS
+        props.append(string_table(headers))
+    props.append(b"\x02")  # delivery_mode 2: persistent
+    props.append(shortstr(message_id))
+    props.append(_u64(int(timestamp.timestamp())))
+    if type is not None:
+        flags |= FLAG_TYPE
+        props.append(shortstr(type))
+    header = _header_head(BASIC_CLASS, 0, len(body), flags) + b"".join(props)
+
+    out = [
+        _frame_head(FRAME_METHOD, channel, len(method)), method, FRAME_END,
+        _frame_head(FRAME_HEADER, channel, len(header)), header, FRAME_END,
+    ]
+    for start in range(0, len(body), max_content_size):
+        chunk = body[start:start + max_content_size]
+        out += [_frame_head(FRAME_BODY, channel, len(chunk)), chunk, FRAME_END]
+    return b"".join(out)
