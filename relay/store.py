@@ -52,7 +52,8 @@ WITH locked AS (
           (hashtext(o.key) & 2147483647) % :workers = :worker
           AND NOT EXISTS (
               SELECT 1 FROM outbox e
-              WHERE e.key = o.key AND e.seq < o.seq AND e.status = 'pending'
+              WHERE e.key = o.key AND e.seq < o.seq
+                AND e.status <> 'published' AND e.status <> 'dead'
                 AND e.available_at > now())
           {dead}))
     ORDER BY o.seq
@@ -63,7 +64,8 @@ SELECT l.id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
        l.headers::text AS headers, l.created_at, l.attempts,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM outbox e
-           WHERE e.key = l.key AND e.seq < l.seq AND e.status = 'pending'
+           WHERE e.key = l.key AND e.seq < l.seq
+             AND e.status <> 'published' AND e.status <> 'dead'
              AND e.id NOT IN (SELECT id FROM locked)) AS blocked
 FROM locked l
 ORDER BY l.seq
@@ -76,11 +78,20 @@ _DEAD_BLOCKS = {
               WHERE d.key = o.key AND d.seq < o.seq AND d.status = 'dead')""",
 }
 
-# Without statistics (a table bulk-loaded a moment ago) the planner may sort
-# every pending row before the LIMIT; walking the seq index is right at any
-# size. SET LOCAL ends with the transaction.
-PLAN_CLAIM = "SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off"
-UNPLAN_CLAIM = "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on"
+# Without statistics (a table bulk-loaded a moment ago, autovacuum off) the
+# planner may sort every pending row before the LIMIT, or probe each key
+# with a full scan; walking the seq index and probing the per-key indexes is
+# right at any size. (The probes spell "pending" as "neither finished nor
+# dead" so that only the per-key indexes match them.) SET LOCAL ends with
+# the transaction.
+PLAN_CLAIM = (
+    "SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; "
+    "SET LOCAL enable_seqscan = off"
+)
+UNPLAN_CLAIM = (
+    "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on; "
+    "SET LOCAL enable_seqscan = on"
+)
 
 MARK_PUBLISHED = sa.text(
     "UPDATE outbox SET status = 'published', published_at = now(), last_error = NULL "
@@ -131,7 +142,8 @@ WITH locked AS (
           NOT EXISTS (
               SELECT 1 FROM inbox e
               WHERE e.consumer = i.consumer AND e.key = i.key AND e.seq < i.seq
-                AND e.status = 'pending' AND e.available_at > now())
+                AND e.status <> 'processed' AND e.status <> 'dead'
+                AND e.available_at > now())
           {dead}))
     ORDER BY i.seq
     LIMIT :limit
@@ -142,7 +154,7 @@ SELECT l.message_id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM inbox e
            WHERE e.consumer = :consumer AND e.key = l.key AND e.seq < l.seq
-             AND e.status = 'pending'
+             AND e.status <> 'processed' AND e.status <> 'dead'
              AND e.message_id NOT IN (SELECT message_id FROM locked)) AS blocked
 FROM locked l
 ORDER BY l.seq
@@ -215,6 +227,44 @@ STATUSES = {
     "outbox": ("pending", "published", "dead"),
     "inbox": ("pending", "processed", "dead"),
 }
+
+# Keys that have a dead row, which under --on-dead block holds back every
+# later row of the key: per table, and per consumer for the inbox; the
+# first `limit` keys (oldest dead row first) and how many there are.
+DEAD_KEYS = {
+    "outbox": sa.text("""
+SELECT NULL::text AS consumer, key, count(*) OVER () AS total
+FROM (SELECT key, min(seq) AS first FROM outbox
+      WHERE status = 'dead' AND key IS NOT NULL GROUP BY key) d
+ORDER BY first
+LIMIT :limit
+"""),
+    "inbox": sa.text("""
+SELECT consumer, key, total FROM (
+    SELECT consumer, key, count(*) OVER (PARTITION BY consumer) AS total,
+           row_number() OVER (PARTITION BY consumer ORDER BY first) AS n
+    FROM (SELECT consumer, key, min(seq) AS first FROM inbox
+          WHERE status = 'dead' AND key IS NOT NULL GROUP BY consumer, key) d
+) t
+WHERE n <= :limit
+ORDER BY consumer, n
+"""),
+}
+
+# The dispatcher's watchdog: end the transaction of a hung handler (its row
+# locks go with it) so its failed attempt can be recorded. Only ever given
+# the pid of the dispatcher's own connection.
+TERMINATE_BACKEND = sa.text("SELECT pg_terminate_backend(:pid)")
+MARK_HUNG = sa.text("""
+UPDATE inbox SET
+    attempts = attempts + 1,
+    last_error = :error,
+    available_at = now() + make_interval(secs => :delay),
+    status = CASE WHEN attempts + 1 >= :max_attempts THEN 'dead' ELSE 'pending' END
+WHERE consumer = :consumer AND message_id = :id AND status = 'pending' AND attempts = :attempts
+RETURNING status
+""")
+LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :timeout, true)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +518,22 @@ class Store:
             result = await conn.execute(MARK_INBOX_FAILED, params)
             return {row_id: status for row_id, status in result}
 
+    async def fail_hung_handler(
+        self, pid: int | None, consumer: str, row: InboxRow, error: str, delay: float,
+        max_attempts: int,
+    ) -> str | None:
+        """End the transaction of a hung handler (backend `pid`: the
+        dispatcher's own connection), then record its failed attempt; the
+        UPDATE waits for the row lock the ended transaction held, and does
+        nothing if the row was finished meanwhile. Returns the new status."""
+        params = {"consumer": consumer, "id": row.message_id, "attempts": row.attempts,
+                  "error": error, "delay": delay, "max_attempts": max_attempts}
+        async with self.transaction() as conn:
+            await conn.execute(LOCK_TIMEOUT, {"timeout": "10s"})
+            if pid is not None:
+                await conn.execute(TERMINATE_BACKEND, {"pid": pid})
+            return await conn.scalar(MARK_HUNG, params)
+
     async def retry(
         self, table: str, *, ids: Sequence[str], all_dead: bool, consumer: str | None
     ) -> int:
@@ -494,6 +560,28 @@ class Store:
                     age = await conn.scalar(OLDEST_PENDING[table])
                     report[table] = {**counts, "oldest_pending_seconds": age}
         return report
+
+    async def dead_keys(
+        self, limit: int = 20
+    ) -> dict[str, list[tuple[str | None, list[str], int]]]:
+        """Per table: (consumer or None, the first `limit` keys with a dead
+        row, how many such keys there are), for `relay status`."""
+        report: dict[str, list[tuple[str | None, list[str], int]]] = {}
+        with translate_errors():
+            async with self.engine.connect() as conn:
+                for table, query in DEAD_KEYS.items():
+                    scopes: dict[str | None, tuple[list[str], int]] = {}
+                    for consumer, key, total in await conn.execute(query, {"limit": limit}):
+                        keys, _ = scopes.setdefault(consumer, ([], total))
+                        keys.append(key)
+                    report[table] = [(c, keys, total) for c, (keys, total) in scopes.items()]
+        return report
+
+    async def backend_pid(self, conn: AsyncConnection) -> int | None:
+        """The PostgreSQL backend pid of a connection (no round trip)."""
+        raw = await conn.get_raw_connection()
+        info = getattr(raw.driver_connection, "info", None)
+        return getattr(info, "backend_pid", None)
 
 
 class Listener:

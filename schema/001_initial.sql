@@ -21,9 +21,12 @@ CREATE TABLE IF NOT EXISTS outbox (
 
 -- The claim scans pending rows in seq order.
 CREATE INDEX IF NOT EXISTS outbox_pending_seq ON outbox (seq) WHERE status = 'pending';
--- "Does an earlier row of this key hold it back?": pending rows (per-key
--- order) and dead rows (--on-dead block).
-CREATE INDEX IF NOT EXISTS outbox_pending_key ON outbox (key, seq) WHERE status = 'pending';
+-- "Does an earlier row of this key hold it back?": unfinished rows (per-key
+-- order) and dead rows (--on-dead block). The claim asks for pending rows as
+-- "neither published nor dead", which only this index's predicate matches,
+-- so even without statistics the planner cannot probe through
+-- outbox_pending_seq, scanning every earlier row.
+CREATE INDEX IF NOT EXISTS outbox_unfinished_key ON outbox (key, seq) WHERE status <> 'published';
 CREATE INDEX IF NOT EXISTS outbox_dead_key ON outbox (key, seq) WHERE status = 'dead';
 -- Retention deletes published rows by age.
 CREATE INDEX IF NOT EXISTS outbox_published_at ON outbox (published_at) WHERE status = 'published';
@@ -87,7 +90,7 @@ CREATE TABLE IF NOT EXISTS inbox (
 );
 
 CREATE INDEX IF NOT EXISTS inbox_pending_seq ON inbox (consumer, seq) WHERE status = 'pending';
-CREATE INDEX IF NOT EXISTS inbox_pending_key ON inbox (consumer, key, seq) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS inbox_unfinished_key ON inbox (consumer, key, seq) WHERE status <> 'processed';
 CREATE INDEX IF NOT EXISTS inbox_dead_key ON inbox (consumer, key, seq) WHERE status = 'dead';
 CREATE INDEX IF NOT EXISTS inbox_processed_at ON inbox (processed_at) WHERE status = 'processed';
 
