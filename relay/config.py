@@ -205,6 +205,11 @@ class InboxSettings(DaemonSettings):
         super().__post_init__()
         if not self.queue:
             raise ConfigError("no queue: set --queue or RELAY_QUEUE")
+        if self.binds and self.broker is not None and self.broker.kind == "sqs":
+            raise ConfigError(
+                "--bind applies to RabbitMQ only: an SQS queue receives what is sent to it "
+                "(subscribe it to an SNS topic to fan out)"
+            )
         if not self.consumer_name:
             object.__setattr__(self, "consumer_name", self.queue)
         _positive("prefetch", self.prefetch)

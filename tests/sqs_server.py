@@ -1,0 +1,158 @@
+"""SQS for the tests: moto's standalone server on a free loopback port.
+
+Started once per session as a subprocess and spoken to over HTTP, by boto3
+in the tests and by the relay subprocesses, the way a real endpoint is:
+`AWS_ENDPOINT_URL_SQS` points both at it. Each test creates its own queues
+through `Sqs` and deletes them afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from tests.conftest import free_port
+
+MOTO_SERVER = Path(sys.executable).parent / "moto_server"
+REGION = "us-east-1"
+
+# What `moto_server` runs, after one change: moto's SQS model asks its clock
+# helper (datetime arithmetic, ~20 us) about every stored message several
+# times per request, which makes a queue of a thousand messages take seconds
+# per call on a busy machine. time.time() gives the same number, much faster.
+_MOTO_MAIN = """
+import sys, time
+import moto.core.utils
+import moto.sqs.models as models
+slow = moto.core.utils.unix_time
+def unix_time(dt=None):
+    return time.time() if dt is None else slow(dt)
+def unix_time_millis(dt=None):
+    return unix_time(dt) * 1000.0
+if hasattr(models, "unix_time") and hasattr(models, "unix_time_millis"):
+    models.unix_time, models.unix_time_millis = unix_time, unix_time_millis
+from moto.server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def sqs_env(endpoint: str) -> dict[str, str]:
+    """What a relay (or boto3) needs to talk to the test server; no real credentials."""
+    return {
+        "AWS_ENDPOINT_URL_SQS": endpoint,
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+    }
+
+
+@pytest.fixture(scope="session")
+def sqs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The endpoint URL of a moto server running for this session."""
+    if not MOTO_SERVER.exists():
+        pytest.skip(f"{MOTO_SERVER} not found: pip install 'moto[server]'")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MOTO_MAIN, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start on port {port}") from None
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+class Sqs:
+    """A test's own SQS queues on the moto server, deleted afterwards."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.env = sqs_env(endpoint)
+        self.client = boto3.session.Session().client(
+            "sqs", endpoint_url=endpoint, region_name=REGION,
+            aws_access_key_id="testing", aws_secret_access_key="testing",
+        )
+        self.prefix = f"relay-test-{uuid.uuid4().hex[:10]}"
+        self.urls: dict[str, str] = {}
+
+    def name(self, base: str, *, fifo: bool = False) -> str:
+        """A queue name unique to this test."""
+        return f"{self.prefix}-{base}" + (".fifo" if fifo else "")
+
+    def create(self, name: str, **attributes: Any) -> str:
+        attrs = {k: str(v) for k, v in attributes.items()}
+        if name.endswith(".fifo"):
+            attrs.setdefault("FifoQueue", "true")
+        url = self.client.create_queue(QueueName=name, Attributes=attrs)["QueueUrl"]
+        self.urls[name] = url
+        return url
+
+    def receive(self, name: str, *, wait: int = 1, visibility: int | None = None,
+                delete: bool = True) -> list[dict[str, Any]]:
+        """One ReceiveMessage of up to 10 messages, deleted unless told otherwise."""
+        params: dict[str, Any] = {
+            "QueueUrl": self.urls[name], "MaxNumberOfMessages": 10, "WaitTimeSeconds": wait,
+            "MessageAttributeNames": ["All"], "MessageSystemAttributeNames": ["All"],
+        }
+        if visibility is not None:
+            params["VisibilityTimeout"] = visibility
+        messages = self.client.receive_message(**params).get("Messages", [])
+        if messages and delete:
+            self.client.delete_message_batch(
+                QueueUrl=self.urls[name],
+                Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]}
+                         for i, m in enumerate(messages)],
+            )
+        return messages
+
+    def count(self, name: str) -> int:
+        """Visible plus in-flight messages."""
+        attrs = self.client.get_queue_attributes(
+            QueueUrl=self.urls[name],
+            AttributeNames=["ApproximateNumberOfMessages",
+                            "ApproximateNumberOfMessagesNotVisible"],
+        )["Attributes"]
+        return sum(int(v) for v in attrs.values())
+
+    def cleanup(self) -> None:
+        for url in self.urls.values():
+            with contextlib.suppress(Exception):
+                self.client.delete_queue(QueueUrl=url)
+        self.client.close()
+
+
+@pytest.fixture
+def sqs(sqs_server: str) -> Iterator[Sqs]:
+    helper = Sqs(sqs_server)
+    yield helper
+    helper.cleanup()
+
+
+__all__ = ["Sqs", "sqs", "sqs_env", "sqs_server"]
