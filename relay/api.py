@@ -30,6 +30,15 @@ async def table_status(database_url: str) -> dict[str, dict[str, Any]]:
         await store.close()
 
 
+async def dead_keys(database_url: str, limit: int = 20) -> dict[str, list[tuple[Any, ...]]]:
+    """Keys held by dead rows (under --on-dead block), for `relay status`'s text."""
+    store = Store(database_url, pool_size=1)
+    try:
+        return await store.dead_keys(limit)
+    finally:
+        await store.close()
+
+
 async def retry(
     database_url: str,
     table: str,
@@ -47,4 +56,4 @@ async def retry(
 
 
 
-__all__ = ["apply_schema", "retry", "table_status"]
+__all__ = ["apply_schema", "dead_keys", "retry", "table_status"]

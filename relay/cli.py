@@ -216,6 +216,42 @@ def inbox(**kwargs: Any) -> None:
     sys.exit(_run(serve_inbox(settings, registry)))
 
 
+# -- demo ----------------------------------------------------------------------------
+
+
+@cli.command()
+@option("--database-url", required=True, help="postgresql://user:pass@host:port/db")
+@option("--broker-url", default=None,
+        help="amqp://user:pass@host:port/vhost or sqs://… (not needed with --producer-only)")
+@option("--rate", type=click.FloatRange(min=0, min_open=True), default=200.0, show_default=True,
+        help="messages per second the producer offers")
+@option("--duration", type=click.FloatRange(min=0), default=0.0, show_default=True,
+        help="seconds to run, then stop and exit 0 (0: until Ctrl-C)")
+@option("--exchange", default="relay", show_default=True, help="RabbitMQ topic exchange")
+@option("--queue", default="relay-demo", show_default=True,
+        help="the demo inbox's queue, bound to demo.#")
+@option("--http-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+        help="port for /healthz, /readyz and /metrics (0: none)")
+@option("--producer-only", is_flag=True,
+        help="only produce and report; the daemons run elsewhere "
+             "(relay inbox --handlers relay.demo:registry)")
+@option("--log-level", default="INFO", show_default=True,
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
+def demo(producer_only: bool, **kwargs: Any) -> None:
+    """Apply the schema, then run a producer, both daemons and a sample handler
+    in one process, printing live rates (use a scratch database and vhost)."""
+    _setup_logs(kwargs)
+    from relay.demo import DemoSettings, run_demo
+
+    broker_url = kwargs.pop("broker_url")
+    broker = None
+    if broker_url or not producer_only:
+        broker = _build(config.BrokerURL.parse, url=broker_url)
+    settings = _build(DemoSettings, broker=broker, producer_only=producer_only, **kwargs)
+    sys.exit(_run(run_demo(settings)))
+
+
 # -- status and retry ------------------------------------------------------------
 
 
@@ -225,17 +261,31 @@ def inbox(**kwargs: Any) -> None:
 def status(as_json: bool, **kwargs: Any) -> None:
     """Counts per table and status, and the age of the oldest pending row."""
     _setup_logs(kwargs)
-    from relay.api import table_status
+    from relay.api import dead_keys, table_status
 
-    report = _run(table_status(_build(config.normalize_database_url, url=kwargs["database_url"])))
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    report = _run(table_status(url))
     if as_json:
         click.echo(json.dumps(report))
         return
+    held = _run(dead_keys(url))
     for table, row in report.items():
         counts = ", ".join(f"{k} {v}" for k, v in row.items() if k != "oldest_pending_seconds")
         age = row["oldest_pending_seconds"]
         oldest = "none pending" if age is None else f"oldest pending {age:.1f}s"
         click.echo(f"{table}: {counts}; {oldest}")
+        for consumer, keys, total in held.get(table, []):
+            scope = table if consumer is None else f"{table} (consumer {_shown(consumer)})"
+            more = f" and {total - len(keys)} more" if total > len(keys) else ""
+            click.echo(f"{scope}: keys held by dead rows (under --on-dead block): "
+                       f"{', '.join(_shown(k) for k in keys)}{more}")
+
+
+def _shown(value: str) -> str:
+    """A key or name from the tables, quoted unless plainly printable."""
+    if value and value.isprintable() and "," not in value and value.strip() == value:
+        return value
+    return json.dumps(value)
 
 
 @cli.command()

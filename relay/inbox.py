@@ -15,10 +15,12 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import orjson
 import sqlalchemy.exc as sa_exc
@@ -31,11 +33,21 @@ from relay.handlers import HandlerRegistry, Message, invoke
 from relay.metrics import InboxMetrics
 from relay.store import Failure, InboxRow, NewInboxRow, Store
 
+if TYPE_CHECKING:
+    from relay.lifecycle import Service
+
 log = logging.getLogger(__name__)
 
 # How long the receiver waits to fill a batch once a message has arrived.
 BATCH_WAIT = 0.005
 BLOCKED_RETRY = 0.005
+# A handler still running at this many times --handler-timeout is hung.
+HUNG_AFTER = 2
+WATCH_INTERVAL = 0.25
+
+
+class HandlerHung(RuntimeError):
+    """A handler ran far past --handler-timeout and could not be interrupted."""
 
 
 def dedup_key(message: Incoming) -> str:
@@ -207,6 +219,10 @@ class Dispatcher:
         self.wakeup = asyncio.Event()
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
+        # The row whose handler runs now, since when (monotonic), and the
+        # backend pid of the batch's connection: read by the watchdog in
+        # DispatcherThread, from another thread (one tuple, set atomically).
+        self.in_hand: tuple[InboxRow, float, int | None] | None = None
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -223,13 +239,18 @@ class Dispatcher:
             rows, blocked = await self.store.claim_inbox(conn, consumer, s.batch_size, s.on_dead)
             if not rows:
                 return 0, blocked
+            pid = await self.store.backend_pid(conn)
             processed: list[str] = []
             failed: list[tuple[InboxRow, Failure, float]] = []
             failed_keys: set[str] = set()
             for row in rows:
                 if row.key is not None and row.key in failed_keys:
                     continue  # a failed row holds its key: later rows wait, untouched
-                failure = await self._handle(conn, row)
+                self.in_hand = (row, time.monotonic(), pid)
+                try:
+                    failure = await self._handle(conn, row)
+                finally:
+                    self.in_hand = None
                 if failure is None:
                     processed.append(row.message_id)
                     continue
@@ -262,7 +283,7 @@ class Dispatcher:
             type=row.type,
             topic=row.topic,
             key=row.key,
-            payload=orjson.loads(row.payload) if row.payload is not None else None,
+            payload=_loads(row.payload) if row.payload is not None else None,
             headers=headers,
             attempts=row.attempts,
             consumer=self.settings.consumer_name,
@@ -275,6 +296,11 @@ class Dispatcher:
         except Exception as exc:
             if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
                 raise  # the database went away: not the handler's failure
+            if isinstance(exc, TimeoutError) and not str(exc):  # asyncio.timeout's
+                return Failure(
+                    f"handler did not finish within --handler-timeout "
+                    f"{self.settings.handler_timeout:g}s and was cancelled\n{_error_text(exc)}"
+                )
             return Failure(_error_text(exc))
         finally:
             self.metrics.handler_seconds.observe(time.perf_counter() - started)
@@ -310,6 +336,17 @@ class Dispatcher:
                 await asyncio.sleep(BLOCKED_RETRY)
                 continue
             await _wait(self.wakeup, self.settings.poll_interval)
+
+
+# orjson reads integers over 64 bits as floats; a payload with such a long
+# run of digits goes through the json module, which keeps them exact.
+_LONG_DIGITS = re.compile(r"[0-9]{19,}")
+
+
+def _loads(text: str) -> object:
+    if _LONG_DIGITS.search(text):
+        return json.loads(text)
+    return orjson.loads(text)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -362,22 +399,110 @@ class DispatcherThread:
         asyncio.run(body())
 
     async def run(self) -> None:
-        """Run the thread until the dispatcher stops; its crash propagates here."""
+        """Run the thread until the dispatcher stops; its crash propagates here.
+
+        The thread is a daemon thread, so a handler that never returns cannot
+        keep the process from exiting; the watchdog beside it turns such a
+        hang into a failed attempt and raises HandlerHung."""
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+
+        def settle(exc: BaseException | None) -> None:
+            if finished.done():
+                return
+            if exc is None:
+                finished.set_result(None)
+            else:
+                finished.set_exception(exc)
+
+        def target() -> None:
+            outcome: BaseException | None = None
+            try:
+                self._main()
+            except BaseException as exc:  # handed to the awaiting task
+                outcome = exc
+            try:
+                loop.call_soon_threadsafe(settle, outcome)
+            except RuntimeError:
+                pass  # the main loop is gone: the process is exiting
+
+        threading.Thread(target=target, name="relay-dispatcher", daemon=True).start()
+        watchdog = asyncio.create_task(self._watch())
         try:
-            await asyncio.to_thread(self._main)
+            await asyncio.wait({finished, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if watchdog.done():
+                watchdog.result()  # raises HandlerHung
+            await finished
         except asyncio.CancelledError:
             self.stop()  # the thread finishes its batch and exits on its own
             raise
+        finally:
+            watchdog.cancel()
+
+    async def _watch(self) -> None:
+        """Raise HandlerHung once a handler has run HUNG_AFTER × --handler-timeout.
+
+        A sync handler cannot be interrupted, and an async one that blocks
+        its event loop cannot be cancelled. Its batch's transaction is ended
+        from here (which releases the row locks and rolls back the batch),
+        the attempt is counted, and the daemon exits so that its supervisor
+        starts a fresh process: the row is retried with backoff and is dead
+        after --max-attempts hangs, instead of wedging every restart."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            dispatcher = self.dispatcher
+            in_hand = dispatcher.in_hand if dispatcher is not None else None
+            if dispatcher is None or in_hand is None:
+                continue
+            row, started, pid = in_hand
+            settings = dispatcher.settings
+            ran = time.monotonic() - started
+            if ran < settings.handler_timeout * HUNG_AFTER or dispatcher.in_hand is not in_hand:
+                continue
+            error = (
+                f"handler hung: still running after {ran:.1f}s (--handler-timeout "
+                f"{settings.handler_timeout:g}s) and could not be interrupted; its "
+                "transaction was ended and the inbox daemon exited so that its "
+                "supervisor restarts it"
+            )
+            log.error(
+                "%s (message %s, type %r)", error, row.message_id, row.type,
+                extra={"action": "handler_hung", "message_id": row.message_id,
+                       "type": row.type, "attempts": row.attempts + 1},
+            )
+            store = Store(settings.database_url, pool_size=1)
+            try:
+                status = await store.fail_hung_handler(
+                    pid, settings.consumer_name, row, error,
+                    dispatcher.backoff.delay(row.attempts + 1), settings.max_attempts,
+                )
+            except Exception as exc:  # the restart is what matters; the count is best effort
+                log.error("could not record the hung handler's attempt: %r", exc)
+                status = None
+            finally:
+                await store.close()
+            if status is not None:
+                dispatcher.metrics.failed.inc()
+                if status == "dead":
+                    dispatcher.metrics.dead.inc()
+            raise HandlerHung(error)
 
 
-async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int:
-    """`relay inbox`: receiver, dispatcher, listener, jobs and probes; returns the exit code."""
+def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service:
+    """The inbox's parts for a lifecycle Daemon: receiver and dispatcher, the
+    listener, the scheduled jobs, probes and metrics (not running yet)."""
+    import contextlib
+
     from relay.brokers import make_consumer
-    from relay.lifecycle import Daemon, sd_notify, systemd_watchdog
+    from relay.lifecycle import STALL_AFTER, Service, Started, run_together
+    from relay.logs import with_log_context
     from relay.maintenance import run_scheduler
     from relay.store import NOTIFY_INBOX, Listener
 
     assert settings.broker is not None
+    types = registry.types
+    # Log lines a handler emits carry the message's id, type and traceparent.
+    registry = with_log_context(registry)
     metrics = InboxMetrics()
     store = Store(settings.database_url, pool_size=2)
     consumer = make_consumer(
@@ -390,8 +515,15 @@ async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int
             Dispatcher(settings, dispatch_store, registry, metrics),
         )
     )
-    receiver = Receiver(settings, store, consumer, metrics, on_stored=dispatcher.wake)
-    if not len(registry):
+
+    def wake_dispatcher() -> None:
+        # Once the dispatcher has stopped, its event loop is closed and
+        # there is nothing to wake; a batch stored while stopping still is.
+        with contextlib.suppress(RuntimeError):
+            dispatcher.wake()
+
+    receiver = Receiver(settings, store, consumer, metrics, on_stored=wake_dispatcher)
+    if not types:
         log.warning("no handlers registered: every message will be stored as dead "
                     "(give --handlers or install a package with relay.handlers entry points)")
 
@@ -408,17 +540,17 @@ async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int
                 log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
                 await _wait(receiver.stopping, delay)
 
-    async def main() -> None:
+    async def main(started: Started) -> None:
         await ready_to_start()
         if receiver.stopping.is_set():
             return
-        sd_notify("READY=1")
+        started()
         log.info(
             "inbox started: queue %r, consumer %r, handlers for %s",
-            settings.queue, settings.consumer_name, ", ".join(registry.types) or "no types",
+            settings.queue, settings.consumer_name, ", ".join(types) or "no types",
             extra={"action": "started"},
         )
-        await asyncio.gather(receiver.run(), dispatcher.run())
+        await run_together(receiver.run(), dispatcher.run())
 
     def stop() -> None:
         receiver.stop()
@@ -428,22 +560,42 @@ async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int
         await store.ping()
         return consumer.connected
 
-    daemon = Daemon(
+    def progress() -> float:
+        # A batch of slow handlers is progress too: each finished handler run counts.
+        running = dispatcher.dispatcher
+        batches = running.last_progress if running is not None else 0.0
+        return max(batches, metrics.handler_seconds.last_observed)
+
+    listener = Listener(store.conninfo, NOTIFY_INBOX, wake_dispatcher)
+    return Service(
         name="inbox",
         main=main,
-        stop_main=stop,
-        shutdown_timeout=settings.shutdown_timeout,
+        stop=stop,
+        background={
+            "listener": lambda stop: listener.run(),
+            "scheduler": lambda stop: run_scheduler(
+                store, "inbox", settings.retention, metrics, stop
+            ),
+        },
         ready=ready,
-        http_port=settings.http_port,
         metrics=metrics.render,
+        progress=progress,
+        # Above the dispatcher's own hung-handler detection (HUNG_AFTER).
+        stall_after=max(STALL_AFTER, (HUNG_AFTER + 1) * settings.handler_timeout)
+        + settings.poll_interval,
         on_stop=[consumer.close, store.close],
     )
-    listener = Listener(store.conninfo, NOTIFY_INBOX, dispatcher.wake)
-    daemon.background = {
-        "listener": listener.run,
-        "scheduler": lambda: run_scheduler(
-            store, "inbox", settings.retention, metrics, daemon.stop_event
-        ),
-        "watchdog": lambda: systemd_watchdog(daemon, daemon.alive),
-    }
+
+
+async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int:
+    """`relay inbox`: receiver, dispatcher, listener, jobs and probes; returns the exit code."""
+    from relay.lifecycle import Daemon
+
+    daemon = Daemon(
+        name="inbox",
+        services=[inbox_service(settings, registry)],
+        shutdown_timeout=settings.shutdown_timeout,
+        http_port=settings.http_port,
+        own_process=True,
+    )
     return await daemon.run()

@@ -1,20 +1,107 @@
 """Logging: one logger per module under `relay`, to stderr, text or JSON.
 
-Every record passes a filter that masks the configured secrets, so a
+Every record passes two filters on the handler: the first adds the message
+being handled (message_id, type, topic, traceparent), so that a handler's
+own log lines carry them; the second masks the configured secrets, so a
 password can reach neither a log line nor an exception text printed in one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import logging
 import sys
-from collections.abc import Iterable
+import urllib.parse
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 
+from relay.handlers import Handler, HandlerRegistry, Message, is_async
+
 # Attributes a LogRecord always has; anything else came in through `extra=`.
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+# The message a handler is running for, as log fields. A sync handler runs
+# through AsyncConnection.run_sync in a greenlet of the dispatcher's thread;
+# the wrapper below sets the variable inside that call, where the handler's
+# logging happens.
+_message_fields: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "relay_message_fields", default=None
+)
+
+
+def message_fields(message: Message) -> dict[str, str]:
+    """The log fields of a message: id, type, topic and traceparent when set."""
+    fields = {"message_id": message.id, "type": message.type, "topic": message.topic,
+              "traceparent": message.headers.get("traceparent")}
+    return {k: str(v) for k, v in fields.items() if v is not None}
+
+
+@contextlib.contextmanager
+def message_context(message: Message) -> Iterator[None]:
+    """Log records emitted inside carry the message's id, type, topic and traceparent."""
+    token = _message_fields.set(message_fields(message))
+    try:
+        yield
+    finally:
+        _message_fields.reset(token)
+
+
+class MessageContextFilter(logging.Filter):
+    """Adds the fields of the message being handled to records that lack them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = _message_fields.get()
+        if fields:
+            for key, value in fields.items():
+                if not hasattr(record, key):
+                    setattr(record, key, value)
+        return True
+
+
+def _with_context(fn: Handler) -> Handler:
+    if is_async(fn):
+        @functools.wraps(fn)
+        async def run_async(message: Message, conn: Any) -> Any:
+            with message_context(message):
+                return await fn(message, conn)
+
+        return run_async
+
+    @functools.wraps(fn)
+    def run(message: Message, conn: Any) -> Any:
+        with message_context(message):
+            return fn(message, conn)
+
+    return run
+
+
+def with_log_context(registry: HandlerRegistry) -> HandlerRegistry:
+    """The same handlers, each running inside message_context()."""
+    wrapped = HandlerRegistry()
+    for type_ in registry.types:
+        handler = registry.get(type_)
+        assert handler is not None
+        wrapped.add(type_, _with_context(handler))
+    return wrapped
+
+
+def _secret_forms(secrets: Iterable[str | None]) -> list[str]:
+    """Each secret as given and percent-encoded (as it appears inside a URL)."""
+    forms: list[str] = []
+    for secret in secrets:
+        if not secret:
+            continue
+        for form in (secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote(secret)):
+            if form not in forms:
+                forms.append(form)
+    # Longest first, so that a secret inside another is not half-masked.
+    return sorted(forms, key=len, reverse=True)
 
 
 class RedactingFilter(logging.Filter):
@@ -22,7 +109,7 @@ class RedactingFilter(logging.Filter):
 
     def __init__(self, secrets: Iterable[str]) -> None:
         super().__init__()
-        self.secrets = [s for s in secrets if s]
+        self.secrets = _secret_forms(secrets)
 
     def _clean(self, text: str) -> str:
         for secret in self.secrets:
@@ -90,6 +177,7 @@ def setup(level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = ()) -
     """Configure the root logger for a relay command; safe to call twice."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(MessageContextFilter())
     handler.addFilter(RedactingFilter(secrets))
     root = logging.getLogger()
     for old in list(root.handlers):

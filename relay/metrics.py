@@ -1,10 +1,49 @@
-"""Prometheus metrics: one registry per daemon, so several can share a process."""
+"""Prometheus metrics: one registry per daemon, so several can share a process.
+
+Names (the Prometheus text format adds `_total` to counters):
+
+| metric | kind | meaning |
+|---|---|---|
+| relay_outbox_published_total | counter | rows confirmed by the broker |
+| relay_outbox_failed_total | counter | failed publish attempts (retried or dead) |
+| relay_outbox_dead_total | counter | rows that became dead |
+| relay_outbox_deleted_total | counter | published rows deleted by retention |
+| relay_outbox_pending | gauge | pending rows in the table |
+| relay_outbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
+| relay_outbox_publish_seconds | histogram | claim of a batch to the broker's last confirm |
+| relay_inbox_received_total | counter | messages received from the broker |
+| relay_inbox_duplicates_total | counter | received messages already in the inbox |
+| relay_inbox_processed_total | counter | rows handled successfully |
+| relay_inbox_failed_total | counter | failed handler runs (retried or dead) |
+| relay_inbox_dead_total | counter | rows that became dead (handler, unknown type, bad body) |
+| relay_inbox_deleted_total | counter | processed rows deleted by retention |
+| relay_inbox_pending | gauge | pending rows in the table |
+| relay_inbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
+| relay_inbox_handler_seconds | histogram | one handler run |
+"""
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _ClockedHistogram(Histogram):
+    """A histogram that remembers when it last observed, as a progress clock:
+    the inbox's health counts each finished handler run, not only whole
+    batches, so a batch of slow handlers is not mistaken for a stuck loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.last_observed = 0.0
+        super().__init__(*args, **kwargs)
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        self.last_observed = time.monotonic()
+        super().observe(amount, exemplar)
 
 
 class OutboxMetrics:
@@ -18,6 +57,9 @@ class OutboxMetrics:
             "relay_outbox_failed", "Failed publish attempts (rows retried or dead)", registry=r
         )
         self.dead = Counter("relay_outbox_dead", "Outbox rows that became dead", registry=r)
+        self.deleted = Counter(
+            "relay_outbox_deleted", "Published outbox rows deleted by retention", registry=r
+        )
         self.pending = Gauge("relay_outbox_pending", "Pending outbox rows", registry=r)
         self.oldest_pending = Gauge(
             "relay_outbox_oldest_pending_seconds",
@@ -48,13 +90,16 @@ class InboxMetrics:
         self.processed = Counter("relay_inbox_processed", "Inbox rows handled", registry=r)
         self.failed = Counter("relay_inbox_failed", "Failed handler runs", registry=r)
         self.dead = Counter("relay_inbox_dead", "Inbox rows that became dead", registry=r)
+        self.deleted = Counter(
+            "relay_inbox_deleted", "Processed inbox rows deleted by retention", registry=r
+        )
         self.pending = Gauge("relay_inbox_pending", "Pending inbox rows", registry=r)
         self.oldest_pending = Gauge(
             "relay_inbox_oldest_pending_seconds",
             "Age of the oldest pending inbox row (0 when none)",
             registry=r,
         )
-        self.handler_seconds = Histogram(
+        self.handler_seconds = _ClockedHistogram(
             "relay_inbox_handler_seconds",
             "Handler run time",
             buckets=_LATENCY_BUCKETS,

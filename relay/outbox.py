@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from relay.backoff import Backoff
 from relay.brokers import Outcome, Publisher
@@ -18,6 +19,9 @@ from relay.config import OutboxSettings
 from relay.errors import BrokerUnavailable, Unavailable
 from relay.metrics import OutboxMetrics
 from relay.store import Failure, OutboxRow, Store
+
+if TYPE_CHECKING:
+    from relay.lifecycle import Service
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,9 @@ class OutboxRelay:
                 extra={"action": "publish_failed", "message_id": str(row.id),
                        "topic": row.topic, "attempts": row.attempts + 1},
             )
-        if Outcome.RELEASE in results:
+        # RELEASE rows stay pending, no attempt counted: held back behind a
+        # failed row of their key, or unconfirmed because the connection broke.
+        if Outcome.RELEASE in results and not self.publisher.connected:
             raise BrokerUnavailable("connection lost before every confirm arrived")
         return len(rows), blocked
 
@@ -158,10 +164,11 @@ class OutboxRelay:
         await self._wait(self.stopping, delay)
 
 
-async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
-    """`relay outbox`: run the relay with its listener, jobs and probes; returns the exit code."""
+def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
+    """The outbox relay's parts for a lifecycle Daemon: the main loop, the
+    listener, the scheduled jobs, probes and metrics (not running yet)."""
     from relay.brokers import make_publisher
-    from relay.lifecycle import Daemon, sd_notify, systemd_watchdog
+    from relay.lifecycle import STALL_AFTER, Service, Started
     from relay.maintenance import run_scheduler
     from relay.store import NOTIFY_OUTBOX, Listener
 
@@ -169,36 +176,69 @@ async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
     store = Store(settings.database_url, pool_size=WORKERS + 2)
     publisher = make_publisher(settings.broker, exchange=settings.exchange)
     relay = OutboxRelay(settings, store, publisher)
+    probe_lock = asyncio.Lock()
 
-    async def main() -> None:
+    async def main(started: Started) -> None:
         await relay._ready()
-        sd_notify("READY=1")
+        if relay.stopping.is_set():
+            return
+        started()
         log.info(
             "outbox relay started%s", " (--once)" if once else "", extra={"action": "started"}
         )
         await relay.run(once=once)
 
+    async def broker_answers() -> bool:
+        # An idle relay reconnects only when it has rows to publish, so after
+        # a broker outage its own connection stays down until the next row:
+        # ask the broker with a connection of the probe's own.
+        async with probe_lock:
+            if publisher.connected:
+                return True
+            probe = make_publisher(settings.broker, exchange=settings.exchange)
+            try:
+                await probe.connect()
+                return True
+            except Unavailable:
+                return False
+            finally:
+                await probe.close()
+
     async def ready() -> bool:
         await store.ping()
-        return publisher.connected
+        return publisher.connected or await broker_answers()
+
+    background = {}
+    if not once:
+        listener = Listener(store.conninfo, NOTIFY_OUTBOX, relay.wake)
+        background = {
+            "listener": lambda stop: listener.run(),
+            "scheduler": lambda stop: run_scheduler(
+                store, "outbox", settings.retention, relay.metrics, stop
+            ),
+        }
+    return Service(
+        name="outbox",
+        main=main,
+        stop=relay.stop,
+        background=background,
+        ready=ready,
+        metrics=relay.metrics.render,
+        progress=lambda: relay.last_progress,
+        stall_after=STALL_AFTER + settings.poll_interval,
+        on_stop=[publisher.close, store.close],
+    )
+
+
+async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
+    """`relay outbox`: run the relay with its listener, jobs and probes; returns the exit code."""
+    from relay.lifecycle import Daemon
 
     daemon = Daemon(
         name="outbox",
-        main=main,
-        stop_main=relay.stop,
+        services=[outbox_service(settings, once=once)],
         shutdown_timeout=settings.shutdown_timeout,
-        ready=ready,
         http_port=settings.http_port,
-        metrics=relay.metrics.render,
-        on_stop=[publisher.close, store.close],
+        own_process=True,
     )
-    if not once:
-        listener = Listener(store.conninfo, NOTIFY_OUTBOX, relay.wake)
-        daemon.background = {
-            "listener": listener.run,
-            "scheduler": lambda: run_scheduler(
-                store, "outbox", settings.retention, relay.metrics, daemon.stop_event
-            ),
-            "watchdog": lambda: systemd_watchdog(daemon, daemon.alive),
-        }
     return await daemon.run()

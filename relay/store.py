@@ -340,6 +340,13 @@ def translate_errors() -> Any:
         raise
 
 
+def _as_list(value: str | tuple[str, ...] | None) -> list[str]:
+    """A URL query parameter's values (it may be absent or repeated)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 def _describe(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     text = str(orig).strip().splitlines()
@@ -358,9 +365,11 @@ class Store:
             pool_pre_ping=True,
             pool_recycle=3600,
             # JIT compiles the claim for ~300 ms because its cost estimate is
-            # large; it runs in a millisecond without.
+            # large; it runs in a millisecond without. Options given in the
+            # URL (`?options=-csearch_path%3Dapp`) are kept.
             connect_args={
-                "connect_timeout": 10, "application_name": "relay", "options": "-c jit=off"
+                "connect_timeout": 10, "application_name": "relay",
+                "options": " ".join([*_as_list(self.url.query.get("options")), "-c jit=off"]),
             },
         )
         self._claim_outbox = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from decimal import Decimal
@@ -43,6 +44,9 @@ CONFIRM_TIMEOUT = 60.0
 # RabbitMQ's default max_message_size (128 MiB); a larger publish would make
 # the broker close the channel, failing the whole batch.
 MAX_MESSAGE_SIZE = 128 * 1024 * 1024
+# How RabbitMQ says a publish was over its max_message_size (it then closes
+# the channel): the publisher adopts the broker's limit from it.
+_SIZE_REFUSED = re.compile(r"message size (\d+) is larger than (?:configured )?max size (\d+)")
 
 # What a broken connection or channel looks like from aiormq and the OS.
 _CONNECTION_ERRORS = (
@@ -90,6 +94,8 @@ class AmqpPublisher:
             raise ConfigError(f"invalid --exchange: {exc}") from None
         self._connection: AbstractConnection | None = None
         self._channel: aiormq.abc.AbstractChannel | None = None
+        # Lowered to the broker's own limit when it refuses a message as too big.
+        self.max_message_size = MAX_MESSAGE_SIZE
 
     @property
     def connected(self) -> bool:
@@ -133,10 +139,10 @@ class AmqpPublisher:
         if row.key is not None:
             headers[KEY_HEADER] = row.key
         body = row_body(row)
-        if len(body) > MAX_MESSAGE_SIZE:
+        if len(body) > self.max_message_size:
             raise BadMessage(
                 f"payload is {len(body)} bytes, over RabbitMQ's message size limit "
-                f"({MAX_MESSAGE_SIZE} bytes)"
+                f"({self.max_message_size} bytes)"
             )
         try:
             return publish_frames(
@@ -203,9 +209,41 @@ class AmqpPublisher:
                 broken = broken or exc or asyncio.CancelledError()
                 results[index] = Outcome.RELEASE
         if broken is not None:
-            log.warning("RabbitMQ connection lost mid-batch: %s", _unavailable(broken, self.url))
+            if not self._size_refused(rows, results, broken):
+                log.warning("RabbitMQ connection lost mid-batch: %s",
+                            _unavailable(broken, self.url))
             await self.close()
         return results
+
+    def _size_refused(
+        self, rows: Sequence[OutboxRow], results: list[PublishResult], exc: BaseException
+    ) -> bool:
+        """If RabbitMQ closed the channel because a message was over its
+        max_message_size: that row fails for good, the others of the batch
+        stay released, and later batches are checked against the broker's
+        limit before publishing. True if that was the reason."""
+        match = _SIZE_REFUSED.search(str(exc))
+        if not isinstance(exc, aiormq.exceptions.ChannelPreconditionFailed) or match is None:
+            return False
+        refused, limit = int(match[1]), int(match[2])
+        log.warning(
+            "RabbitMQ refused a message of %d bytes: its max_message_size is %d bytes; "
+            "larger payloads now fail before they are published", refused, limit,
+        )
+        self.max_message_size = min(self.max_message_size, limit)
+        sizes = {
+            index: len(row_body(rows[index]))
+            for index, result in enumerate(results) if result is Outcome.RELEASE
+        }
+        too_big = [index for index, size in sizes.items() if size > limit]
+        if not too_big and sizes:  # sized differently: the largest one it was
+            too_big = [max(sizes, key=sizes.__getitem__)]
+        for index in too_big:
+            results[index] = Failure(
+                f"payload is {sizes[index]} bytes, over RabbitMQ's message size limit "
+                f"({limit} bytes): the broker refused it", permanent=True,
+            )
+        return True
 
     def _unroutable(self, row: OutboxRow) -> Failure:
         return Failure(
@@ -266,7 +304,14 @@ class AmqpConsumer:
             queue = await channel.declare_queue(self.queue, durable=True)
             for pattern in self.binds:
                 await queue.bind(exchange, routing_key=pattern)
-            await queue.consume(self._received.put_nowait)
+            received = self._received
+
+            # A coroutine function: aio-pika wraps a plain callable and formats
+            # its repr (here the queue and every message in it) per delivery.
+            async def on_message(message: AbstractIncomingMessage) -> None:
+                received.put_nowait(message)
+
+            await queue.consume(on_message)
             channel.close_callbacks.add(self._on_close)
         except _CONNECTION_ERRORS as exc:
             await connection.close()

@@ -66,3 +66,19 @@ def slow(message: relay.Message, conn: sa.Connection) -> None:
 async def async_hang(message: relay.Message, conn) -> None:
     await conn.execute(_INSERT, _effect(message))
     await asyncio.sleep(3600)
+
+
+@registry.handler("SyncHang")
+def sync_hang(message: relay.Message, conn: sa.Connection) -> None:
+    """Writes, then blocks its thread for an hour: cannot be interrupted."""
+    conn.execute(_INSERT, _effect(message))
+    time.sleep(3600)
+
+
+@registry.handler("Logs")
+def logs(message: relay.Message, conn: sa.Connection) -> None:
+    """Logs one line of its own: the inbox adds the message's id and traceparent."""
+    import logging
+
+    logging.getLogger("tests.apps").info("handling")
+    conn.execute(_INSERT, _effect(message))

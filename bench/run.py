@@ -1,0 +1,778 @@
+"""relay's benchmark: every scenario of issue 7 in one run, a table and JSON.
+
+    .venv/bin/python -m bench.run [--quick] [--only NAME,...] [--scale F] [--out FILE]
+
+Needs PostgreSQL and RabbitMQ on 127.0.0.1 (BENCH_PG_URL, BENCH_AMQP_URL to
+change), and moto for the SQS scenario. Each scenario makes its own
+database (`relay schema apply`), exchange and queue, and removes them at the
+end, failed or not. The relay daemons run as real subprocesses
+(`.venv/bin/relay ...`), their RSS read from /proc every 0.5 s.
+
+Rates: "rate" is the steady part of a run, from the batches' own timestamps
+in the database (`published_at` / `processed_at` are the start of each
+batch's transaction): rows between the batch that crosses 10 % of the rows
+and the one that crosses 90 %, over the time between them. "rate_wall" is
+all rows over the time from the daemon's "started" log line to the end.
+
+--quick: a few thousand messages per scenario, memory and scale at smoke
+size (their targets are not judged); under ~2 minutes. --scale multiplies
+every message count. Exit status 0 unless something is broken (a daemon
+failed, messages went missing); a missed target is reported, not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import orjson
+
+from bench import limits
+from bench.common import (
+    AMQP_URL,
+    REPO,
+    BenchError,
+    Proc,
+    Resources,
+    batch_times,
+    connect,
+    db_url,
+    free_port,
+    insert_backlog,
+    loadavg,
+    payload,
+    percentile,
+    relay_env,
+    scalar,
+    steady_rate,
+)
+from bench.handlers import EFFECTS_DDL
+from bench.naive import run_naive
+
+RESULTS = REPO / "bench" / "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    limit_pg: int
+    limit_amqp: int
+    naive: int
+    naive_seconds: float
+    drain: int
+    latency_seconds: float
+    inbox: int
+    sqs: int
+    memory: int
+    scale_measured: int
+    scale_pending: tuple[int, int]
+    latency_rates: tuple[int, ...] = (100, 500, 2000)
+
+    def scaled(self, factor: float) -> Sizes:
+        if factor == 1:
+            return self
+        counts = {f.name: max(100, int(getattr(self, f.name) * factor))
+                  for f in dataclasses.fields(self)
+                  if f.name not in ("naive_seconds", "latency_seconds", "scale_pending",
+                                    "latency_rates")}
+        small, large = self.scale_pending
+        return dataclasses.replace(self, **counts,
+                                   scale_pending=(small, max(small, int(large * factor))))
+
+
+FULL = Sizes(limit_pg=100_000, limit_amqp=100_000, naive=100_000, naive_seconds=20.0,
+             drain=100_000, latency_seconds=10.0, inbox=100_000, sqs=5_000,
+             memory=1_000_000, scale_measured=50_000, scale_pending=(1_000, 1_000_000))
+QUICK = Sizes(limit_pg=20_000, limit_amqp=5_000, naive=3_000, naive_seconds=3.0,
+              drain=5_000, latency_seconds=2.0, inbox=5_000, sqs=300,
+              memory=3_000, scale_measured=5_000, scale_pending=(1_000, 10_000))
+
+
+# --------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------
+
+
+class Report:
+    def __init__(self) -> None:
+        self.figures: list[dict[str, Any]] = []
+        self.scenarios: dict[str, dict[str, Any]] = {}
+
+    def add(self, scenario: str, name: str, value: float | None, unit: str,
+            **extra: Any) -> None:
+        if isinstance(value, float):
+            value = round(value, 3)
+        self.figures.append({"scenario": scenario, "figure": name, "value": value,
+                             "unit": unit, **extra})
+
+    def get(self, scenario: str, name: str) -> float | None:
+        for f in self.figures:
+            if f["scenario"] == scenario and f["figure"] == name:
+                return f["value"]
+        return None
+
+
+def _rss_figures(report: Report, scenario: str, who: str, proc: Proc,
+                 start: float | None = None, end: float | None = None) -> dict[str, Any]:
+    """Peak RSS; with a window, also the RSS at 10, 50 and 90 % of it."""
+    summary = proc.rss.summary(start, end)
+    report.add(scenario, f"{who}_peak_rss", summary["peak_mb"], "MB")
+    if start is not None:
+        for pct in (10, 50, 90):
+            if f"rss_{pct}pct_mb" in summary:
+                report.add(scenario, f"{who}_rss_at_{pct}pct", summary[f"rss_{pct}pct_mb"], "MB")
+    return summary
+
+
+async def metrics(port: int) -> dict[str, float]:
+    """The samples of a daemon's /metrics."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        await writer.drain()
+        data = await reader.read()
+    finally:
+        writer.close()
+    samples: dict[str, float] = {}
+    body = data.split(b"\r\n\r\n", 1)[-1].decode()
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                samples[name] = float(value)
+    return samples
+
+
+async def wait_metric(proc: Proc, port: int, name: str, target: float, timeout: float,
+                      interval: float = 0.1, fail_on: str | None = None) -> float:
+    """Poll /metrics until `name` reaches `target`; the monotonic time it did."""
+    deadline = time.monotonic() + timeout
+    last = 0.0
+    while True:
+        if proc.popen.poll() is not None:
+            raise BenchError(f"{proc.name} exited {proc.popen.returncode}:\n{proc.tail()}")
+        with contextlib.suppress(OSError):
+            samples = await metrics(port)
+            last = samples.get(name, 0.0)
+            if fail_on and samples.get(fail_on, 0.0) > 0:
+                raise BenchError(f"{proc.name}: {fail_on} = {samples[fail_on]:.0f}:\n{proc.tail()}")
+            if last >= target:
+                return time.monotonic()
+        if time.monotonic() > deadline:
+            raise BenchError(f"{proc.name}: {name} at {last:.0f} of {target:.0f} after "
+                             f"{timeout:.0f}s:\n{proc.tail()}")
+        await asyncio.sleep(interval)
+
+
+def _daemon_args(url: str, exchange: str, broker: str = AMQP_URL) -> list[str]:
+    return ["--database-url", url, "--broker-url", broker, "--exchange", exchange]
+
+
+async def _create_effects(url: str) -> None:
+    async with await connect(url, autocommit=True) as conn:
+        await conn.execute(EFFECTS_DDL)
+
+
+async def _expect(url: str, sql: str, expected: int, what: str) -> None:
+    got = await scalar(url, sql)
+    if got != expected:
+        raise BenchError(f"{what}: {got}, expected {expected}")
+
+
+# --------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------
+
+
+async def scenario_limit_pg(res: Resources, sz: Sizes, report: Report) -> None:
+    """Claim-and-mark only: batched FOR UPDATE SKIP LOCKED updates, no broker."""
+    url = await res.database()
+    await insert_backlog(url, sz.limit_pg, topic="bench.limit")
+    rows, seconds = await limits.limit_pg(url, batch=500, workers=2)
+    if rows != sz.limit_pg:
+        raise BenchError(f"claimed {rows} of {sz.limit_pg} rows")
+    report.add("limit_pg", "rate", rows / seconds, "rows/s", rows=rows, batch=500, workers=2)
+
+
+async def scenario_limit_amqp(res: Resources, sz: Sizes, report: Report) -> None:
+    """Publish only: plain aio-pika, persistent, confirms, 1,000 in flight, no database."""
+    exchange, queue = res.names()
+    await res.bind_queue(exchange, queue)
+    count, seconds = await limits.limit_amqp(AMQP_URL, exchange, "bench.limit",
+                                             sz.limit_amqp, window=1000)
+    depth = await res.queue_depth(queue)
+    if depth != count:
+        raise BenchError(f"queue holds {depth} of {count} messages")
+    report.add("limit_amqp", "rate", count / seconds, "msgs/s", messages=count, window=1000)
+
+
+async def scenario_naive(res: Resources, sz: Sizes, report: Report) -> None:
+    """The article relay: one row per transaction, publish, await confirm, mark, commit."""
+    url = await res.database()
+    exchange, queue = res.names()
+    await res.bind_queue(exchange, queue)
+    await insert_backlog(url, sz.naive, topic="bench.naive")
+    done, seconds = await run_naive(url, AMQP_URL, exchange, seconds=sz.naive_seconds)
+    await _expect(url, "SELECT count(*) FROM outbox WHERE status = 'published'", done,
+                  "published rows")
+    depth = await res.queue_depth(queue)
+    if depth != done:
+        raise BenchError(f"queue holds {depth} of {done} messages")
+    report.add("naive", "rate", done / seconds, "msgs/s", messages=done,
+               backlog=sz.naive, seconds=round(seconds, 2))
+
+
+async def _outbox_once(res: Resources, report: Report, scenario: str, url: str,
+                       count: int, args: list[str], env: dict[str, str] | None = None) -> None:
+    """Run `relay outbox --once` over a backlog of `count` rows and report its rates."""
+    proc = res.relay("outbox", "outbox", "--once", *args, env=env)
+    ready = await proc.wait_log("outbox relay started", timeout=60)
+    code = await proc.wait_exit(timeout=max(120.0, count / 300))
+    ended, ended_wall = time.monotonic(), time.time()
+    if code != 0:
+        raise BenchError(f"relay outbox --once exited {code}:\n{proc.tail()}")
+    await _expect(url, "SELECT count(*) FROM outbox WHERE status = 'published'", count,
+                  "published rows")
+    points = await batch_times(url, "outbox")
+    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count,
+               batches=len(points))
+    report.add(scenario, "rate_wall", count / (ended - ready), "msgs/s")
+    report.add(scenario, "startup", ready - proc.started, "s")
+    # From the start of the last batch to the exit: the last batch plus shutdown.
+    report.add(scenario, "last_batch_to_exit", ended_wall - points[-1][0], "s")
+    _rss_figures(report, scenario, "outbox", proc)
+
+
+async def scenario_drain(res: Resources, sz: Sizes, report: Report) -> None:
+    """`relay outbox --once` draining a backlog."""
+    url = await res.database()
+    exchange, queue = res.names()
+    await res.bind_queue(exchange, queue)
+    await insert_backlog(url, sz.drain, topic="bench.drain")
+    await _outbox_once(res, report, "drain", url, sz.drain, _daemon_args(url, exchange))
+    depth = await res.queue_depth(queue)
+    if depth != sz.drain:
+        raise BenchError(f"queue holds {depth} of {sz.drain} messages")
+
+
+INSERT_ONE = (
+    "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
+)
+
+
+async def produce(url: str, topic: str, rate: int, seconds: float
+                  ) -> tuple[dict[str, tuple[float, float]], float, list[float]]:
+    """Commit single-row transactions at `rate` per second for `seconds`.
+
+    Returns {message id: (time.time() right after the commit, scheduled
+    offset in seconds)}, the rate achieved and each INSERT+COMMIT's duration
+    (ms). Several connections share the schedule so that one slow commit
+    does not hold up the next."""
+    total = int(rate * seconds)
+    lanes = min(16, max(1, math.ceil(rate / 100)))
+    conns = [await connect(url) for _ in range(lanes)]
+    commits: dict[str, tuple[float, float]] = {}
+    durations: list[float] = []
+    try:
+        start = time.perf_counter() + 0.05
+
+        async def lane(first: int, conn: Any) -> None:
+            for i in range(first, total, lanes):
+                due = start + i / rate
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                message_id = str(uuid.uuid4())
+                began = time.perf_counter()
+                await conn.execute(INSERT_ONE, (message_id, topic, payload(i).decode()))
+                await conn.commit()
+                commits[message_id] = (time.time(), i / rate)
+                durations.append((time.perf_counter() - began) * 1000)
+
+        await asyncio.gather(*(lane(j, c) for j, c in enumerate(conns)))
+        achieved = total / (time.perf_counter() - start)
+    finally:
+        for conn in conns:
+            await conn.close()
+    return commits, achieved, durations
+
+
+async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
+    """Commit-to-receipt latency through a running `relay outbox` at fixed offered rates."""
+    url = await res.database()
+    exchange, queue = res.names()
+    await res.bind_queue(exchange, queue)
+    relay = res.relay("outbox", "outbox", *_daemon_args(url, exchange))
+    await relay.wait_log("outbox relay started", timeout=60)
+    await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
+    warmup = min(0.5, sz.latency_seconds / 4)
+    for rate in sz.latency_rates:
+        receipts_file = res.workdir / f"receipts_{rate}.json"
+        consumer = res.spawn(
+            f"consumer{rate}",
+            [sys.executable, "-m", "bench.consumer", "--amqp-url", AMQP_URL,
+             "--queue", queue, "--out", str(receipts_file)],
+            relay_env(), stdin=True, stdout_pipe=True,
+        )
+        assert consumer.popen.stdout is not None and consumer.popen.stdin is not None
+        line = await asyncio.wait_for(asyncio.to_thread(consumer.popen.stdout.readline), 30)
+        if line.strip() != b"ready":
+            raise BenchError(f"latency consumer did not start:\n{consumer.tail()}")
+        commits, achieved, durations = await produce(url, "bench.latency", rate,
+                                                      sz.latency_seconds)
+        consumer.popen.stdin.write(f"{len(commits)}\n".encode())
+        consumer.popen.stdin.flush()
+        code = await consumer.wait_exit(60)
+        if code != 0:
+            raise BenchError(f"latency consumer exited {code}:\n{consumer.tail()}")
+        receipts = orjson.loads(receipts_file.read_bytes())
+        missing = [m for m in commits if m not in receipts]
+        if missing:
+            raise BenchError(f"{len(missing)} of {len(commits)} messages at {rate}/s never "
+                             f"arrived (e.g. {missing[0]})")
+        latencies = sorted((receipts[m] - committed) * 1000
+                           for m, (committed, offset) in commits.items() if offset >= warmup)
+        extra = {"offered": rate, "achieved": round(achieved, 1), "messages": len(latencies),
+                 "warmup_s": warmup}
+        for q in (50, 95, 99):
+            report.add("latency", f"p{q}@{rate}", percentile(latencies, q), "ms", **extra)
+        report.add("latency", f"max@{rate}", latencies[-1], "ms")
+        report.add("latency", f"achieved@{rate}", achieved, "msgs/s",
+                   note="offered rate not kept" if achieved < rate * 0.95 else None)
+        # The producer's own INSERT+COMMIT: a slow disk or a busy machine shows here.
+        durations.sort()
+        report.add("latency", f"commit_p50@{rate}", percentile(durations, 50), "ms")
+        report.add("latency", f"commit_p99@{rate}", percentile(durations, 99), "ms")
+        await asyncio.sleep(0.5)
+    if relay.popen.poll() is not None:
+        raise BenchError(f"relay outbox exited {relay.popen.returncode}:\n{relay.tail()}")
+    _rss_figures(report, "latency", "outbox", relay)
+
+
+async def _inbox_until(res: Resources, report: Report, scenario: str, url: str, count: int,
+                       args: list[str], env: dict[str, str] | None = None) -> None:
+    """Run `relay inbox` until `count` rows are processed and report its rates."""
+    port = free_port()
+    proc = res.relay("inbox", "inbox", *args, "--handlers", "bench.handlers",
+                     "--http-port", str(port), env=env)
+    ready = await proc.wait_log("inbox started", timeout=60)
+    done = await wait_metric(proc, port, "relay_inbox_processed_total", count,
+                             timeout=max(120.0, count / 200), fail_on="relay_inbox_failed_total")
+    samples = await metrics(port)
+    code = await proc.stop()
+    if code != 0:
+        raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
+    await _expect(url, "SELECT count(*) FROM inbox WHERE status = 'processed'", count,
+                  "processed inbox rows")
+    await _expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
+    points = await batch_times(url, "inbox")
+    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count,
+               batches=len(points))
+    # Receiving alone (insert batches): tells which half limits the daemon.
+    received = await batch_times(url, "inbox", "received_at")
+    report.add(scenario, "receive_rate", steady_rate(received), "msgs/s",
+               batches=len(received))
+    report.add(scenario, "rate_wall", count / (done - ready), "msgs/s")
+    report.add(scenario, "startup", ready - proc.started, "s")
+    # The daemon's own histogram: savepoint + handler, per message.
+    handled = samples.get("relay_inbox_handler_seconds_count")
+    if handled:
+        report.add(scenario, "handler_mean", samples["relay_inbox_handler_seconds_sum"]
+                   / handled * 1000, "ms")
+    _rss_figures(report, scenario, "inbox", proc)
+
+
+async def scenario_inbox(res: Resources, sz: Sizes, report: Report) -> None:
+    """`relay inbox` over a queue holding N messages, a handler inserting one row each."""
+    url = await res.database()
+    await _create_effects(url)
+    exchange, queue = res.names()
+    await res.bind_queue(exchange, queue)
+    await limits.publish_window(AMQP_URL, exchange, "bench.inbox", sz.inbox)
+    depth = await res.queue_depth(queue)
+    if depth != sz.inbox:
+        raise BenchError(f"queue holds {depth} of {sz.inbox} messages before the run")
+    await _inbox_until(res, report, "inbox", url, sz.inbox,
+                       [*_daemon_args(url, exchange), "--queue", queue])
+    depth = await res.queue_depth(queue)
+    if depth:
+        raise BenchError(f"{depth} messages left in the queue")
+
+
+async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
+    """Outbox and inbox against moto's SQS (figures only)."""
+    if importlib.util.find_spec("relay.brokers.sqs") is None:
+        report.scenarios.setdefault("sqs", {})["skipped"] = (
+            "relay.brokers.sqs does not exist in this checkout")
+        return
+    import boto3
+
+    port = free_port()
+    moto_bin = Path(sys.executable).parent / "moto_server"
+    res.spawn("moto", [str(moto_bin), "-H", "127.0.0.1", "-p", str(port)], relay_env())
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            break
+        if time.monotonic() > deadline:
+            raise BenchError("moto_server did not start in 30s")
+        await asyncio.sleep(0.1)
+    aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_SQS": endpoint}
+    client = boto3.client("sqs", region_name="us-east-1", endpoint_url=endpoint,
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    queue = f"bench-sqs-{uuid.uuid4().hex[:8]}"
+    queue_url = (await asyncio.to_thread(client.create_queue, QueueName=queue))["QueueUrl"]
+    url = await res.database()
+    await _create_effects(url)
+    await insert_backlog(url, sz.sqs, topic=queue)
+    broker = f"sqs://?region=us-east-1&endpoint_url={endpoint}"
+    env = relay_env(**aws)
+    await _outbox_once(res, report, "sqs_outbox", url, sz.sqs,
+                       ["--database-url", url, "--broker-url", broker], env)
+    attributes = await asyncio.to_thread(
+        client.get_queue_attributes, QueueUrl=queue_url,
+        AttributeNames=["ApproximateNumberOfMessages"])
+    depth = int(attributes["Attributes"]["ApproximateNumberOfMessages"])
+    if depth != sz.sqs:
+        raise BenchError(f"SQS queue holds {depth} of {sz.sqs} messages")
+    await _inbox_until(res, report, "sqs_inbox", url, sz.sqs,
+                       ["--database-url", url, "--broker-url", broker, "--queue", queue], env)
+
+
+async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
+    """Both daemons over N messages: outbox → RabbitMQ → inbox; RSS of each."""
+    count = sz.memory
+    url = await res.database()
+    await _create_effects(url)
+    exchange, queue = res.names()
+    await res.bind_queue(exchange, queue)
+    await insert_backlog(url, count, topic="bench.memory")
+    in_port, out_port = free_port(), free_port()
+    inbox = res.relay("inbox", "inbox", *_daemon_args(url, exchange), "--queue", queue,
+                      "--handlers", "bench.handlers", "--http-port", str(in_port))
+    await inbox.wait_log("inbox started", timeout=60)
+    outbox = res.relay("outbox", "outbox", *_daemon_args(url, exchange),
+                       "--http-port", str(out_port))
+    start = await outbox.wait_log("outbox relay started", timeout=60)
+    interval = 1.0 if count >= 100_000 else 0.1
+    published = await wait_metric(outbox, out_port, "relay_outbox_published_total", count,
+                                  timeout=max(300.0, count / 150), interval=interval)
+    end = await wait_metric(inbox, in_port, "relay_inbox_processed_total", count,
+                            timeout=max(300.0, count / 150), interval=interval,
+                            fail_on="relay_inbox_failed_total")
+    for proc in (outbox, inbox):
+        code = await proc.stop()
+        if code != 0:
+            raise BenchError(f"{proc.name} exited {code} on SIGTERM:\n{proc.tail()}")
+    await _expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
+    report.add("memory", "messages", count, "msgs")
+    report.add("memory", "pipeline_rate", count / (end - start), "msgs/s",
+               outbox_done_after_s=round(published - start, 1))
+    for who, proc in (("outbox", outbox), ("inbox", inbox)):
+        summary = _rss_figures(report, "memory", who, proc, start, end)
+        first, last = summary.get("rss_10pct_mb"), summary.get("rss_90pct_mb")
+        if first and last:
+            report.add("memory", f"{who}_rss_growth_10_to_90pct", (last - first) / first * 100,
+                       "%")
+
+
+async def scenario_scale(res: Resources, sz: Sizes, report: Report) -> None:
+    """Per-message cost of publishing the same rows with few or many other rows pending.
+
+    The measured rows come first in seq order; the `pending` extra rows come
+    after them, so the relay publishes the measured rows while all the
+    extras wait in the table."""
+    measured = sz.scale_measured
+    exchange, queue = res.names()
+    await res.bind_queue(exchange, queue)
+    costs: list[float] = []
+    for pending in sz.scale_pending:
+        url = await res.database(f"scale{pending}")
+        await insert_backlog(url, measured + pending, topic="bench.scale")
+        port = free_port()
+        proc = res.relay(f"outbox{pending}", "outbox", *_daemon_args(url, exchange),
+                         "--http-port", str(port))
+        await proc.wait_log("outbox relay started", timeout=60)
+        await wait_metric(proc, port, "relay_outbox_published_total", measured,
+                          timeout=max(120.0, measured / 100), interval=0.05)
+        code = await proc.stop()
+        if code != 0:
+            raise BenchError(f"relay outbox exited {code} on SIGTERM:\n{proc.tail()}")
+        points = await batch_times(url, "outbox", where=f"AND seq <= {int(measured)}")
+        rate = steady_rate(points)
+        if not rate:
+            raise BenchError(f"no steady rate with {pending} pending ({len(points)} batches)")
+        costs.append(1e6 / rate)
+        report.add("scale", f"cost@{pending}_pending", 1e6 / rate, "us/msg",
+                   rate=round(rate, 1), measured_rows=measured, extra_pending=pending)
+        await res.drop_database(url)
+        channel = await (await res.amqp()).channel()
+        await (await channel.declare_queue(queue, passive=True)).purge()
+        await channel.close()
+    report.add("scale", "cost_ratio", costs[1] / costs[0], "x",
+               pending=list(sz.scale_pending))
+
+
+SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
+    "limit_pg": scenario_limit_pg,
+    "limit_amqp": scenario_limit_amqp,
+    "naive": scenario_naive,
+    "drain": scenario_drain,
+    "latency": scenario_latency,
+    "inbox": scenario_inbox,
+    "sqs": scenario_sqs,
+    "memory": scenario_memory,
+    "scale": scenario_scale,
+}
+
+
+# --------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------
+
+
+def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
+    """The issue's targets, as ratios and limits from this run."""
+    g = report.get
+    pg, amqp = g("limit_pg", "rate"), g("limit_amqp", "rate")
+    if pg and amqp:
+        report.add("limits", "combined", 1 / (1 / pg + 1 / amqp), "msgs/s",
+                   formula="1 / (1/limit_pg + 1/limit_amqp)")
+    drain = g("drain", "rate")
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, value: float | None, op: str, target: float | None,
+              unit: str = "", judged: bool = True) -> None:
+        if value is None:
+            return
+        ok = None
+        if target is not None and judged:
+            ok = value >= target if op == ">=" else value <= target
+        checks.append({"check": name, "value": round(value, 3), "unit": unit,
+                       "target": f"{op} {target:g}{unit}" if target is not None else "-",
+                       "pass": ok})
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    check("outbox drain / limit_amqp", ratio(drain, amqp), ">=", 2, "x")
+    check("outbox drain / naive", ratio(drain, g("naive", "rate")), ">=", 20, "x")
+    check("outbox drain / combined limit", ratio(drain, g("limits", "combined")), ">=", None, "x")
+    check("latency p50 at 500/s", g("latency", "p50@500"), "<=", 5, " ms")
+    check("latency p99 at 500/s", g("latency", "p99@500"), "<=", 25, " ms")
+    check("latency p99 at 2000/s", g("latency", "p99@2000"), "<=", 100, " ms")
+    check("inbox / outbox drain", ratio(g("inbox", "rate"), drain), ">=", 0.5, "x")
+    for who in ("outbox", "inbox"):
+        check(f"{who} peak RSS over the memory run", g("memory", f"{who}_peak_rss"),
+              "<=", 120, " MB", judged=not quick)
+        check(f"{who} RSS growth 10%->90% of the run",
+              g("memory", f"{who}_rss_growth_10_to_90pct"), "<=", 10, "%", judged=not quick)
+    check("cost at 1M pending / cost at 1k pending", g("scale", "cost_ratio"), "<=", 1.3, "x",
+          judged=not quick)
+    return checks
+
+
+# --------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def print_table(report: Report, checks: list[dict[str, Any]]) -> None:
+    rows = [(f["scenario"], f["figure"], _fmt(f["value"]), f["unit"]) for f in report.figures]
+    widths = [max(len(r[i]) for r in [("scenario", "figure", "value", "unit"), *rows])
+              for i in range(4)]
+    line = "  ".join
+    print()
+    print(line(h.ljust(w) for h, w in zip(("scenario", "figure", "value", "unit"), widths,
+                                          strict=True)))
+    print(line("-" * w for w in widths))
+    for r in rows:
+        print(line([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]),
+                    r[3].ljust(widths[3])]))
+    if checks:
+        crow = [(c["check"], _fmt(c["value"]) + c["unit"], c["target"],
+                 {True: "PASS", False: "MISS", None: "n/a"}[c["pass"]]) for c in checks]
+        cw = [max(len(r[i]) for r in [("target", "measured", "want", "result"), *crow])
+              for i in range(4)]
+        print()
+        print(line(h.ljust(w) for h, w in zip(("target", "measured", "want", "result"), cw,
+                                              strict=True)))
+        print(line("-" * w for w in cw))
+        for r in crow:
+            print(line([r[0].ljust(cw[0]), r[1].rjust(cw[1]), r[2].ljust(cw[2]), r[3]]))
+    for name, info in report.scenarios.items():
+        if info.get("error"):
+            print(f"\n{name}: ERROR {info['error']}\n(logs kept in {info.get('logs')})")
+        elif info.get("skipped"):
+            print(f"\n{name}: skipped ({info['skipped']})")
+
+
+async def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "relay": importlib.metadata.version("relay"),
+        "aio_pika": importlib.metadata.version("aio-pika"),
+        "psycopg": importlib.metadata.version("psycopg"),
+        "sqlalchemy": importlib.metadata.version("sqlalchemy"),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    try:
+        async with await connect(db_url("postgres"), autocommit=True) as conn:
+            settings = {}
+            for name in ("server_version", "shared_buffers", "synchronous_commit", "fsync",
+                         "autovacuum", "max_connections"):
+                settings[name] = (await (await conn.execute(f"SHOW {name}")).fetchone())[0]
+        info["postgresql"] = settings.pop("server_version")
+        info["postgresql_settings"] = settings
+    except Exception as exc:
+        info["postgresql"] = f"unreachable: {exc}"
+    try:
+        connection = await aio_pika.connect(AMQP_URL)
+        props = connection.transport.connection.server_properties  # type: ignore[union-attr]
+        version = props.get("version")
+        info["rabbitmq"] = version.decode() if isinstance(version, bytes) else version
+        await connection.close()
+    except Exception as exc:
+        info["rabbitmq"] = f"unreachable: {exc}"
+    return info
+
+
+# --------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> int:
+    quick = args.quick
+    sizes = (QUICK if quick else FULL).scaled(args.scale)
+    names = args.only or list(SCENARIOS)
+    report = Report()
+    started_at = datetime.now(UTC)
+    info = await machine_info()
+    info["loadavg_start"] = loadavg()
+    mode = "quick" if quick else "full"
+    print(f"relay benchmark ({mode}), {info['nproc']} cores, load average "
+          f"{info['loadavg_start']}, PostgreSQL {info.get('postgresql')}, "
+          f"RabbitMQ {info.get('rabbitmq')}", flush=True)
+    if info["loadavg_start"][0] >= 1.0:
+        print("warning: the machine is busy (load average >= 1.0); figures will be low",
+              flush=True)
+    failed = False
+    for name in names:
+        res = Resources(name)
+        began = time.monotonic()
+        print(f"- {name} ...", end=" ", flush=True)
+        state: dict[str, Any] = report.scenarios.setdefault(name, {})
+        try:
+            await SCENARIOS[name](res, sizes, report)
+        except Exception as exc:
+            failed = res.failed = True
+            state["error"] = f"{type(exc).__name__}: {exc}"
+            state["traceback"] = traceback.format_exc()
+            state["logs"] = str(res.workdir)
+        finally:
+            problems = await res.close()
+            if problems:
+                state["cleanup_problems"] = problems
+        state["seconds"] = round(time.monotonic() - began, 1)
+        print("skipped" if state.get("skipped") else "ERROR" if state.get("error") else "ok",
+              f"({state['seconds']}s)", flush=True)
+    checks = evaluate(report, quick)
+    info["loadavg_end"] = loadavg()
+    print_table(report, checks)
+    result = {
+        "timestamp": started_at.isoformat(timespec="seconds"),
+        "mode": mode,
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.run", *sys.argv[1:]]),
+        "sizes": dataclasses.asdict(sizes),
+        "machine": info,
+        "figures": report.figures,
+        "targets": checks,
+        "scenarios": report.scenarios,
+    }
+    out = Path(args.out) if args.out else RESULTS / "latest.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if not args.out:
+        stamped = RESULTS / f"{started_at:%Y%m%dT%H%M%SZ}-{mode}.json"
+        stamped.write_text(out.read_text())
+    print(f"\nresults: {out}  (load average at the end: {info['loadavg_end']})")
+    return 1 if failed else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description="relay's benchmark (issue 7).")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few thousand messages per scenario; memory and scale at "
+                             "smoke size, their targets not judged")
+    parser.add_argument("--only", type=lambda s: [n.strip() for n in s.split(",") if n.strip()],
+                        help=f"comma-separated scenarios: {','.join(SCENARIOS)}")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply every message count by this (default 1)")
+    parser.add_argument("--out", help="JSON results file [default: bench/results/latest.json "
+                                      "and a timestamped copy]")
+    args = parser.parse_args()
+    unknown = [n for n in args.only or [] if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(unknown)}")
+    if args.scale <= 0:
+        parser.error("--scale must be positive")
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        # SIGTERM cancels like Ctrl-C does, so every finally (cleanup) runs.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await run(args)
+
+    try:
+        sys.exit(asyncio.run(guarded()))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("\ninterrupted; everything created so far was removed", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
