@@ -286,3 +286,17 @@ def test_relay_message_is_importable_and_registry_rejects_bad_types():
     assert relay.Message(id=str(uuid.uuid4()), type="T", topic=None, key=None,
                          payload={}).attempts == 0
     assert isinstance(sa.text("SELECT 1"), sa.TextClause)
+
+
+async def test_consumes_a_queue_declared_with_arguments_of_its_own(effects, rabbit, start_relay):
+    queue_name = f"{rabbit.exchange}.quorum"
+    rabbit.queues.append(queue_name)
+    channel = await rabbit.connection.channel()
+    await channel.declare_queue(queue_name, durable=True,
+                                arguments={"x-queue-type": "quorum"})
+    await channel.close()
+    daemon = start_relay("inbox", "--queue", queue_name, "--exchange", rabbit.exchange,
+                         "--bind", "#", "--handlers", HANDLERS)
+    daemon.wait_for_log("inbox started")
+    await publish(rabbit, message_id="q-1", type="Effect")
+    wait_until(lambda: effect_ids(effects) == ["q-1"])

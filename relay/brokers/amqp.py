@@ -94,6 +94,7 @@ class AmqpPublisher:
             raise ConfigError(f"invalid --exchange: {exc}") from None
         self._connection: AbstractConnection | None = None
         self._channel: aiormq.abc.AbstractChannel | None = None
+        self._connect_lock = asyncio.Lock()
         # Lowered to the broker's own limit when it refuses a message as too big.
         self.max_message_size = MAX_MESSAGE_SIZE
 
@@ -109,6 +110,13 @@ class AmqpPublisher:
     async def connect(self) -> None:
         if self.connected:
             return
+        # Both outbox workers may find the connection down at once: one
+        # connects, the other waits for it instead of opening a second one.
+        async with self._connect_lock:
+            if not self.connected:
+                await self._connect()
+
+    async def _connect(self) -> None:
         await self.close()
         connection = await _connect(self.url)
         try:
@@ -301,7 +309,16 @@ class AmqpConsumer:
             channel = await connection.channel()
             await channel.set_qos(prefetch_count=self.prefetch)
             exchange = await _declare_exchange(channel, self.exchange)
-            queue = await channel.declare_queue(self.queue, durable=True)
+            try:
+                queue = await channel.declare_queue(self.queue, durable=True)
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                # Declared by its owner with arguments of its own (a quorum
+                # queue, x-max-length...): use it as it is. The failed
+                # declare closed the channel, so start over on a new one.
+                channel = await connection.channel()
+                await channel.set_qos(prefetch_count=self.prefetch)
+                exchange = await _declare_exchange(channel, self.exchange)
+                queue = await channel.declare_queue(self.queue, passive=True)
             for pattern in self.binds:
                 await queue.bind(exchange, routing_key=pattern)
             received = self._received
@@ -382,7 +399,11 @@ class AmqpConsumer:
             # Deliveries arrive and are stored in order, so one multiple-ack
             # on the last delivery tag acknowledges the whole batch.
             await last.ack(multiple=True)
-        except _CONNECTION_ERRORS as exc:
+        except Exception as exc:
+            # aiormq rejects pending operations with a bare Exception when a
+            # channel closes without a reason: judge by the channel's state.
+            if not isinstance(exc, _CONNECTION_ERRORS) and self.connected:
+                raise
             # The rows are committed; the broker will redeliver and the
             # inbox will count them as duplicates.
             await self.close()
