@@ -8,7 +8,6 @@ relay.lifecycle for the other exit codes.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import sys

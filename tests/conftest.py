@@ -325,3 +325,40 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, interval: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"{message} not reached in {timeout}s (last: {value!r})")
         time.sleep(interval)
+
+
+# --------------------------------------------------------------------------
+# The inbox with the test handlers (tests/apps/handlers.py)
+# --------------------------------------------------------------------------
+
+HANDLERS = "tests.apps.handlers:registry"
+
+
+@pytest.fixture
+def effects(engine: sa.Engine) -> sa.Engine:
+    """The test database with the handlers' `effects` table."""
+    from tests.apps.handlers import EFFECTS_DDL
+
+    rows(engine, EFFECTS_DDL)
+    return engine
+
+
+@pytest.fixture
+def inbox(rabbit: Rabbit, start_relay: Callable[..., RelayProcess]) -> Callable[..., RelayProcess]:
+    """Start `relay inbox` on a fresh queue bound to the test's exchange."""
+    queue = f"{rabbit.exchange}.in"
+    rabbit.queues.append(queue)
+
+    def start(*extra: str, handlers: str | None = HANDLERS, bind: str = "#",
+              wait: bool = True, env: dict[str, str] | None = None) -> RelayProcess:
+        args = ["inbox", "--queue", queue, "--exchange", rabbit.exchange, "--bind", bind,
+                "--poll-interval", "0.5", "--backoff-min", "0.2", "--backoff-max", "0.5"]
+        if handlers:
+            args += ["--handlers", handlers]
+        proc = start_relay(*args, *extra, env=env)
+        proc.queue = queue  # type: ignore[attr-defined]
+        if wait:
+            proc.wait_for_log("inbox started", timeout=30)
+        return proc
+
+    return start

@@ -18,39 +18,11 @@ from pathlib import Path
 
 import orjson
 import psycopg
-import pytest
 import sqlalchemy as sa
 
 import relay
-from tests.apps.handlers import EFFECTS_DDL
 from tests.conftest import REPO, free_port, insert_outbox, rows, wait_until
 
-HANDLERS = "tests.apps.handlers:registry"
-
-
-@pytest.fixture
-def effects(engine):
-    rows(engine, EFFECTS_DDL)
-    return engine
-
-
-@pytest.fixture
-def inbox(rabbit, start_relay):
-    """Start `relay inbox` on a fresh queue bound to the test's exchange."""
-    queue = f"{rabbit.exchange}.in"
-    rabbit.queues.append(queue)
-
-    def start(*extra: str, wait: bool = True):
-        proc = start_relay(
-            "inbox", "--queue", queue, "--exchange", rabbit.exchange, "--bind", "#",
-            "--poll-interval", "0.5", "--backoff-min", "0.2", "--backoff-max", "0.5",
-            "--handlers", HANDLERS, *extra,
-        )
-        if wait:
-            proc.wait_for_log("inbox started", timeout=30)
-        return proc
-
-    return start
 
 
 def status_of(engine, message_id):

@@ -13,35 +13,8 @@ import pytest
 import sqlalchemy as sa
 
 import relay
-from tests.apps.handlers import EFFECTS_DDL
-from tests.conftest import rows, wait_until
+from tests.conftest import HANDLERS, rows, wait_until
 
-HANDLERS = "tests.apps.handlers:registry"
-
-
-@pytest.fixture
-def effects(engine):
-    rows(engine, EFFECTS_DDL)
-    return engine
-
-
-@pytest.fixture
-def inbox(rabbit, start_relay):
-    """Start `relay inbox` on a fresh queue bound to the test's exchange."""
-    queue = f"{rabbit.exchange}.in"
-    rabbit.queues.append(queue)
-
-    def start(*extra: str, handlers: str | None = HANDLERS, bind: str = "#"):
-        args = ["inbox", "--queue", queue, "--exchange", rabbit.exchange, "--bind", bind,
-                "--poll-interval", "0.5", "--backoff-min", "0.2", "--backoff-max", "0.5"]
-        if handlers:
-            args += ["--handlers", handlers]
-        proc = start_relay(*args, *extra)
-        proc.queue = queue
-        proc.wait_for_log("inbox started")
-        return proc
-
-    return start
 
 
 def inbox_rows(engine):

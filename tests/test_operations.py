@@ -23,11 +23,9 @@ import sqlalchemy as sa
 import relay
 from relay.lifecycle import EXIT_FAILURE, EXIT_OK, Daemon, Service
 from relay.store import RETENTION_LOCK
-from tests.apps.handlers import EFFECTS_DDL
-from tests.conftest import PG_HOST, PG_PORT, free_port, insert_outbox, rows, wait_until
+from tests.conftest import HANDLERS, PG_HOST, PG_PORT, free_port, insert_outbox, rows, wait_until
 from tests.proxy import amqp_proxy, pg_proxy  # noqa: F401 - fixtures
 
-HANDLERS = "tests.apps.handlers:registry"
 
 
 # --------------------------------------------------------------------------
@@ -84,31 +82,6 @@ def status_counts(engine: sa.Engine, table: str) -> dict[str, int]:
 def through(url: str, proxy) -> str:
     """The test database URL, through a proxy."""
     return url.replace(f"@{PG_HOST}:{PG_PORT}/", f"@127.0.0.1:{proxy.port}/")
-
-
-@pytest.fixture
-def effects(engine):
-    rows(engine, EFFECTS_DDL)
-    return engine
-
-
-@pytest.fixture
-def inbox(rabbit, start_relay):
-    """Start `relay inbox` on a fresh queue bound to the test's exchange."""
-    queue = f"{rabbit.exchange}.in"
-    rabbit.queues.append(queue)
-
-    def start(*extra: str, bind: str = "#", wait: bool = True, env: dict | None = None):
-        proc = start_relay(
-            "inbox", "--queue", queue, "--exchange", rabbit.exchange, "--bind", bind,
-            "--handlers", HANDLERS, "--poll-interval", "0.5", "--backoff-min", "0.2",
-            "--backoff-max", "0.5", *extra, env=env,
-        )
-        if wait:
-            proc.wait_for_log("inbox started", timeout=30)
-        return proc
-
-    return start
 
 
 # --------------------------------------------------------------------------

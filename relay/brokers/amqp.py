@@ -82,7 +82,31 @@ async def _declare_exchange(channel: AbstractChannel, name: str) -> aio_pika.abc
         ) from None
 
 
-class AmqpPublisher:
+class _Client:
+    """A connection and a channel of aio-pika/aiormq, and whether both are open."""
+
+    _connection: AbstractConnection | None = None
+    _channel: Any = None  # aiormq's channel for the publisher, aio-pika's for the consumer
+
+    @property
+    def connected(self) -> bool:
+        return (
+            self._connection is not None
+            and not self._connection.is_closed
+            and self._channel is not None
+            and not self._channel.is_closed
+        )
+
+    async def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and not connection.is_closed:
+            try:
+                await connection.close()
+            except _CONNECTION_ERRORS:
+                pass
+
+
+class AmqpPublisher(_Client):
     """Publishes outbox rows to a durable topic exchange with publisher confirms."""
 
     def __init__(self, url: str, *, exchange: str) -> None:
@@ -97,15 +121,6 @@ class AmqpPublisher:
         self._connect_lock = asyncio.Lock()
         # Lowered to the broker's own limit when it refuses a message as too big.
         self.max_message_size = MAX_MESSAGE_SIZE
-
-    @property
-    def connected(self) -> bool:
-        return (
-            self._connection is not None
-            and not self._connection.is_closed
-            and self._channel is not None
-            and not self._channel.is_closed
-        )
 
     async def connect(self) -> None:
         if self.connected:
@@ -131,14 +146,6 @@ class AmqpPublisher:
             raise
         self._connection = connection
         log.info("connected to RabbitMQ at %s", redact_url(self.url))
-
-    async def close(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None and not connection.is_closed:
-            try:
-                await connection.close()
-            except _CONNECTION_ERRORS:
-                pass
 
     def _encode(self, channel: aiormq.abc.AbstractChannel, row: OutboxRow) -> bytes:
         """The frames of one row's publish; BadMessage when no broker could carry it."""
@@ -273,7 +280,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class AmqpConsumer:
+class AmqpConsumer(_Client):
     """Consumes a durable queue bound to the exchange, with a prefetch window."""
 
     def __init__(
@@ -287,15 +294,6 @@ class AmqpConsumer:
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._received: asyncio.Queue[AbstractIncomingMessage | BaseException] = asyncio.Queue()
-
-    @property
-    def connected(self) -> bool:
-        return (
-            self._connection is not None
-            and not self._connection.is_closed
-            and self._channel is not None
-            and not self._channel.is_closed
-        )
 
     async def connect(self) -> None:
         if self.connected:
@@ -409,10 +407,3 @@ class AmqpConsumer:
             await self.close()
             raise _unavailable(exc, self.url) from exc
 
-    async def close(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None and not connection.is_closed:
-            try:
-                await connection.close()
-            except _CONNECTION_ERRORS:
-                pass
