@@ -1,0 +1,27 @@
+"""The benchmark's quick run, so it cannot rot: every scenario runs at smoke
+size against the real servers and delivers every message. Figures are not
+judged here (no timed assertions); bench/run.py prints them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_quick_benchmark_runs_every_scenario(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mode"] == "quick"
+    for name, state in report["scenarios"].items():
+        assert "error" not in state, (name, state.get("error"))
+    assert set(report["scenarios"]) >= {
+        "limit_pg", "limit_amqp", "naive", "drain", "latency", "inbox", "sqs", "memory", "scale"}
+    assert report["figures"], "no figures recorded"
