@@ -29,6 +29,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import math
 import os
 import platform
@@ -98,7 +99,7 @@ class Sizes:
 
 
 FULL = Sizes(limit_pg=100_000, limit_amqp=100_000, naive=100_000, naive_seconds=20.0,
-             drain=100_000, latency_seconds=10.0, inbox=100_000, sqs=2_000,
+             drain=100_000, latency_seconds=10.0, inbox=100_000, sqs=1_000,
              memory=1_000_000, scale_measured=50_000, scale_pending=(1_000, 1_000_000))
 QUICK = Sizes(limit_pg=20_000, limit_amqp=5_000, naive=3_000, naive_seconds=3.0,
               drain=5_000, latency_seconds=2.0, inbox=5_000, sqs=300,
@@ -456,7 +457,7 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
     broker = f"sqs://?region=us-east-1&endpoint_url={endpoint}"
     env = relay_env(**aws)
     await _outbox_once(res, report, "sqs_outbox", url, sz.sqs,
-                       ["--database-url", url, "--broker-url", broker], env, min_rate=10)
+                       ["--database-url", url, "--broker-url", broker], env, min_rate=3)
     attributes = await asyncio.to_thread(
         client.get_queue_attributes, QueueUrl=queue_url,
         AttributeNames=["ApproximateNumberOfMessages"])
@@ -465,7 +466,7 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
         raise BenchError(f"SQS queue holds {depth} of {sz.sqs} messages")
     await _inbox_until(res, report, "sqs_inbox", url, sz.sqs,
                        ["--database-url", url, "--broker-url", broker, "--queue", queue], env,
-                       min_rate=10)
+                       min_rate=3)
 
 
 async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
@@ -566,7 +567,7 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
     """The issue's targets, as ratios and limits from this run."""
     g = report.get
     pg, amqp = g("limit_pg", "rate"), g("limit_amqp", "rate")
-    if pg and amqp:
+    if pg and amqp and g("limits", "combined") is None:
         report.add("limits", "combined", 1 / (1 / pg + 1 / amqp), "msgs/s",
                    formula="1 / (1/limit_pg + 1/limit_amqp)")
     drain = g("drain", "rate")
@@ -702,13 +703,31 @@ async def run(args: argparse.Namespace) -> int:
     info = await machine_info()
     info["loadavg_start"] = loadavg()
     mode = "quick" if quick else "full"
+    out = Path(args.out) if args.out else RESULTS / "latest.json"
     print(f"relay benchmark ({mode}), {info['nproc']} cores, load average "
           f"{info['loadavg_start']}, PostgreSQL {info.get('postgresql')}, "
           f"RabbitMQ {info.get('rabbitmq')}", flush=True)
     if info["loadavg_start"][0] >= 1.0:
         print("warning: the machine is busy (load average >= 1.0); figures will be low",
               flush=True)
-    failed = False
+
+    def save(checks: list[dict[str, Any]], interrupted: bool) -> None:
+        info["loadavg_end"] = loadavg()
+        result = {
+            "timestamp": started_at.isoformat(timespec="seconds"),
+            "mode": mode,
+            "command": " ".join(["python", "-m", "bench.run", *sys.argv[1:]]),
+            "complete": not interrupted and len(report.scenarios) == len(names),
+            "sizes": dataclasses.asdict(sizes),
+            "machine": info,
+            "figures": report.figures,
+            "targets": checks,
+            "scenarios": report.scenarios,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    failed = interrupted = False
     for name in names:
         res = Resources(name)
         began = time.monotonic()
@@ -716,6 +735,14 @@ async def run(args: argparse.Namespace) -> int:
         state: dict[str, Any] = report.scenarios.setdefault(name, {})
         try:
             await SCENARIOS[name](res, sizes, report)
+        except asyncio.CancelledError:
+            # Ctrl-C or SIGTERM: clean up, keep what was measured, stop.
+            interrupted = res.failed = True
+            state["error"] = "interrupted"
+            state["logs"] = str(res.workdir)
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
         except Exception as exc:
             failed = res.failed = True
             state["error"] = f"{type(exc).__name__}: {exc}"
@@ -728,26 +755,19 @@ async def run(args: argparse.Namespace) -> int:
         state["seconds"] = round(time.monotonic() - began, 1)
         print("skipped" if state.get("skipped") else "ERROR" if state.get("error") else "ok",
               f"({state['seconds']}s)", flush=True)
+        save(evaluate(report, quick), interrupted)  # a long run keeps what it measured
+        if interrupted:
+            break
     checks = evaluate(report, quick)
-    info["loadavg_end"] = loadavg()
-    print_table(report, checks)
-    result = {
-        "timestamp": started_at.isoformat(timespec="seconds"),
-        "mode": mode,
-        "command": " ".join([Path(sys.executable).name, "-m", "bench.run", *sys.argv[1:]]),
-        "sizes": dataclasses.asdict(sizes),
-        "machine": info,
-        "figures": report.figures,
-        "targets": checks,
-        "scenarios": report.scenarios,
-    }
-    out = Path(args.out) if args.out else RESULTS / "latest.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save(checks, interrupted)
     if not args.out:
         stamped = RESULTS / f"{started_at:%Y%m%dT%H%M%SZ}-{mode}.json"
         stamped.write_text(out.read_text())
+    print_table(report, checks)
     print(f"\nresults: {out}  (load average at the end: {info['loadavg_end']})")
+    if interrupted:
+        print("interrupted; everything created so far was removed", file=sys.stderr)
+        return 130
     return 1 if failed else 0
 
 
@@ -769,6 +789,9 @@ def main() -> None:
         parser.error(f"unknown scenario(s): {', '.join(unknown)}")
     if args.scale <= 0:
         parser.error("--scale must be positive")
+
+    # psycopg warns on stderr about every query a cancellation interrupts.
+    logging.getLogger("psycopg").setLevel(logging.ERROR)
 
     async def guarded() -> int:
         task = asyncio.current_task()
