@@ -94,24 +94,30 @@ def is_async(fn: Handler) -> bool:
 
 
 async def invoke(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
-    """Run one handler inside a savepoint of `conn` (an AsyncConnection), as the daemon does.
+    """Run one handler inside a savepoint of `conn` (an AsyncConnection): if it
+    raises, its writes are rolled back and the rest of the transaction stands."""
+    async with conn.begin_nested():
+        await call(fn, message, conn, timeout)
+
+
+async def call(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
+    """Run one handler on `conn` (an AsyncConnection), in no savepoint of its own.
 
     Async handlers get the AsyncConnection and are cancelled after `timeout`;
     sync handlers get its sync Connection. A sync handler cannot be
     interrupted, so one that returns after `timeout` fails that attempt.
     """
-    async with conn.begin_nested():
-        if is_async(fn):
-            async with asyncio.timeout(timeout):
-                await fn(message, conn)
-        else:
-            started = time.monotonic()
-            await conn.run_sync(lambda sync_conn: fn(message, sync_conn))
-            if timeout is not None and time.monotonic() - started > timeout:
-                raise TimeoutError(
-                    f"handler ran {time.monotonic() - started:.1f}s, over --handler-timeout"
-                    f" {timeout:g}s"
-                )
+    if is_async(fn):
+        async with asyncio.timeout(timeout):
+            await fn(message, conn)
+    else:
+        started = time.monotonic()
+        await conn.run_sync(lambda sync_conn: fn(message, sync_conn))
+        if timeout is not None and time.monotonic() - started > timeout:
+            raise TimeoutError(
+                f"handler ran {time.monotonic() - started:.1f}s, over --handler-timeout"
+                f" {timeout:g}s"
+            )
 
 
 def load(specs: Iterable[str]) -> HandlerRegistry:

@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import sqlalchemy.exc as sa_exc
@@ -29,7 +29,7 @@ from relay.backoff import Backoff
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
 from relay.errors import Unavailable
-from relay.handlers import HandlerRegistry, Message, invoke
+from relay.handlers import Handler, HandlerRegistry, Message, call, invoke
 from relay.metrics import InboxMetrics
 from relay.store import Failure, InboxRow, NewInboxRow, Store
 
@@ -48,6 +48,15 @@ WATCH_INTERVAL = 0.25
 
 class HandlerHung(RuntimeError):
     """A handler ran far past --handler-timeout and could not be interrupted."""
+
+
+class _HandlerFailed(Exception):
+    """Ends a batch's one-savepoint run at its first failed handler."""
+
+    def __init__(self, index: int, failure: Failure) -> None:
+        super().__init__(failure.error)
+        self.index = index
+        self.failure = failure
 
 
 def dedup_key(message: Incoming) -> str:
@@ -240,23 +249,7 @@ class Dispatcher:
             if not rows:
                 return 0, blocked
             pid = await self.store.backend_pid(conn)
-            processed: list[str] = []
-            failed: list[tuple[InboxRow, Failure, float]] = []
-            failed_keys: set[str] = set()
-            for row in rows:
-                if row.key is not None and row.key in failed_keys:
-                    continue  # a failed row holds its key: later rows wait, untouched
-                self.in_hand = (row, time.monotonic(), pid)
-                try:
-                    failure = await self._handle(conn, row)
-                finally:
-                    self.in_hand = None
-                if failure is None:
-                    processed.append(row.message_id)
-                    continue
-                failed.append((row, failure, self.backoff.delay(row.attempts + 1)))
-                if row.key is not None:
-                    failed_keys.add(row.key)
+            processed, failed = await self._run_handlers(conn, rows, pid)
             await self.store.mark_processed(conn, consumer, processed)
             statuses = await self.store.mark_inbox_failed(conn, consumer, failed, s.max_attempts)
         self.metrics.processed.inc(len(processed))
@@ -273,10 +266,59 @@ class Dispatcher:
             )
         return len(processed) + len(failed), blocked
 
-    async def _handle(self, conn: object, row: InboxRow) -> Failure | None:
-        handler = self.registry.get(row.type)
-        if handler is None:
-            return Failure(f"no handler registered for message type {row.type!r}", permanent=True)
+    async def _run_handlers(
+        self, conn: Any, rows: Sequence[InboxRow], pid: int | None
+    ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]]]:
+        """Run the handlers of a claimed batch on its transaction; returns the
+        ids of the rows handled and the failures.
+
+        All in one savepoint first: a savepoint per handler costs two round
+        trips and a subtransaction, three times what a one-INSERT handler
+        costs. The first handler that fails rolls the batch back to that
+        savepoint; its failure stands, and the other rows run again, each
+        in a savepoint of its own, as many failures as they have."""
+        try:
+            async with conn.begin_nested():
+                return await self._run_rows(conn, rows, pid, savepoints=False)
+        except _HandlerFailed as first:
+            known = {first.index: first.failure}
+        return await self._run_rows(conn, rows, pid, savepoints=True, known=known)
+
+    async def _run_rows(
+        self, conn: Any, rows: Sequence[InboxRow], pid: int | None, *, savepoints: bool,
+        known: dict[int, Failure] | None = None,
+    ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]]]:
+        processed: list[str] = []
+        failed: list[tuple[InboxRow, Failure, float]] = []
+        failed_keys: set[str] = set()
+        for index, row in enumerate(rows):
+            if row.key is not None and row.key in failed_keys:
+                continue  # a failed row holds its key: later rows wait, untouched
+            handler = self.registry.get(row.type)
+            if handler is None:
+                failure: Failure | None = Failure(
+                    f"no handler registered for message type {row.type!r}", permanent=True)
+            elif known is not None and index in known:
+                failure = known[index]
+            else:
+                self.in_hand = (row, time.monotonic(), pid)
+                try:
+                    failure = await self._handle(conn, row, handler, savepoint=savepoints)
+                finally:
+                    self.in_hand = None
+                if failure is not None and not savepoints:
+                    raise _HandlerFailed(index, failure)
+            if failure is None:
+                processed.append(row.message_id)
+                continue
+            failed.append((row, failure, self.backoff.delay(row.attempts + 1)))
+            if row.key is not None:
+                failed_keys.add(row.key)
+        return processed, failed
+
+    async def _handle(
+        self, conn: Any, row: InboxRow, handler: Handler, *, savepoint: bool
+    ) -> Failure | None:
         headers = orjson.loads(row.headers) if row.headers else {}
         message = Message(
             id=row.message_id,
@@ -290,7 +332,8 @@ class Dispatcher:
         )
         started = time.perf_counter()
         try:
-            await invoke(handler, message, conn, self.settings.handler_timeout)
+            await (invoke if savepoint else call)(
+                handler, message, conn, self.settings.handler_timeout)
         except Unavailable:
             raise
         except Exception as exc:

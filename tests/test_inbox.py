@@ -88,6 +88,45 @@ async def test_fail_then_succeed_retries_with_backoff(effects, rabbit, inbox):
     assert effect_ids(effects) == ["f-1"]
 
 
+async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_once(
+    effects, rabbit, inbox
+):
+    # Rows already stored before the daemon starts are claimed as one batch:
+    # the handlers of a batch run in one savepoint, and a failure in the
+    # middle must roll back only its own writes.
+    consumer = f"{rabbit.exchange}.in"
+    planned = [(f"e{i}", f"k{i}", "Effect", {"n": i}) for i in range(5)]
+    planned += [("flaky", "kf", "Flaky", {"n": 99, "fail_times": 1}),
+                ("after-flaky", "kf", "Effect", {"n": 100}),  # waits for its key
+                ("unknown", "ku", "NobodyHandlesThis", {"n": 101})]
+    planned += [(f"e{i}", f"k{i}", "Effect", {"n": i}) for i in range(5, 10)]
+    with effects.begin() as conn:
+        for message_id, key, type_, payload in planned:
+            conn.execute(sa.text(
+                "INSERT INTO inbox (consumer, message_id, topic, key, type, payload) "
+                "VALUES (:c, :m, 't', :k, :t, CAST(:p AS jsonb))"),
+                {"c": consumer, "m": message_id, "k": key, "t": type_,
+                 "p": orjson.dumps(payload).decode()})
+    inbox()
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status <> 'pending'"))
+               == len(planned))
+    state = {m: (status, attempts, processed_at) for m, status, attempts, processed_at in rows(
+        effects, "SELECT message_id, status, attempts, processed_at FROM inbox")}
+    # Every handler's writes landed exactly once, the failed run's not at all.
+    expected = sorted(m for m, _, t, _ in planned if t in ("Effect", "Flaky"))
+    assert sorted(effect_ids(effects)) == expected
+    # The failure was counted once; the row succeeded on its retry.
+    assert state["flaky"][:2] == ("processed", 1)
+    assert state["unknown"][:2] == ("dead", 1)
+    # The plain rows went in the first batch, together...
+    first_batch = {state[f"e{i}"][2] for i in range(10)}
+    assert len(first_batch) == 1 and all(state[f"e{i}"][:2] == ("processed", 0)
+                                         for i in range(10))
+    # ... and the row behind the failed one waited for it, untouched.
+    assert state["after-flaky"][:2] == ("processed", 0)
+    assert state["after-flaky"][2] >= state["flaky"][2] > first_batch.pop()
+
+
 async def test_always_failing_handler_ends_dead_with_no_effect(effects, rabbit, inbox):
     inbox("--max-attempts", "3")
     await publish(rabbit, message_id="x-1", type="AlwaysFails")
