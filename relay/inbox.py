@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 # How long the receiver waits to fill a batch once a message has arrived.
 BATCH_WAIT = 0.005
 BLOCKED_RETRY = 0.005
+# How many batches the receiver may store ahead of the dispatcher (Pace).
+PACE_BATCHES = 2
 # A handler still running at this many times --handler-timeout is hung.
 HUNG_AFTER = 2
 WATCH_INTERVAL = 0.25
@@ -97,6 +99,43 @@ def to_row(message: Incoming) -> NewInboxRow:
     )
 
 
+class Pace:
+    """Keeps the receiver at most `limit` stored rows ahead of this daemon's dispatcher.
+
+    Storing a message costs less than handling it, and the receiver and the
+    dispatcher share one interpreter lock: a receiver left to run ahead
+    takes the CPU the dispatcher needs, only to move the backlog from the
+    broker (where other daemons could take it) into the table. Rows that
+    other daemons handle are not seen here, so the lead is forgotten each
+    time the dispatcher finds less than a full batch due."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.lead = 0
+        self.changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def stored(self, rows: int) -> None:
+        self.lead += rows
+
+    def dispatched(self, rows: int, caught_up: bool) -> None:
+        """Called from the dispatcher's thread after each batch."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatched, rows, caught_up)
+
+    def _dispatched(self, rows: int, caught_up: bool) -> None:
+        self.lead = 0 if caught_up else self.lead - rows
+        self.changed.set()
+
+    async def wait(self, stopping: asyncio.Event) -> None:
+        """Return once the lead is under the limit (or when stopping)."""
+        self._loop = asyncio.get_running_loop()
+        while self.lead > self.limit and not stopping.is_set():
+            self.changed.clear()
+            await _wait(self.changed, 1.0)
+
+
 class Receiver:
     """Broker → inbox table, acknowledging only what is committed."""
 
@@ -115,9 +154,11 @@ class Receiver:
         self.on_stored = on_stored
         self.stopping = asyncio.Event()
         self.reconnect = Backoff(0.5, 30.0)
+        self.pace = Pace(PACE_BATCHES * settings.batch_size)
 
     def stop(self) -> None:
         self.stopping.set()
+        self.pace.changed.set()
 
     async def run(self) -> None:
         failures = 0
@@ -136,6 +177,7 @@ class Receiver:
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             while not self.stopping.is_set():
+                await self.pace.wait(self.stopping)
                 next_batch = asyncio.ensure_future(anext(batches))
                 await asyncio.wait({next_batch, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not next_batch.done():
@@ -182,6 +224,7 @@ class Receiver:
                            "topic": row.topic},
                 )
         if fresh:
+            self.pace.stored(fresh)
             self.on_stored()
 
     async def _insert(self, rows: list[NewInboxRow]) -> set[str]:
@@ -218,11 +261,14 @@ class Dispatcher:
         store: Store,
         registry: HandlerRegistry,
         metrics: InboxMetrics,
+        on_batch: Callable[[int, bool], None] = lambda rows, caught_up: None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.registry = registry
         self.metrics = metrics
+        # (rows handled or failed, whether that was all that is due): for Pace.
+        self.on_batch = on_batch
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
         self.reconnect = Backoff(0.5, 30.0)
         self.wakeup = asyncio.Event()
@@ -373,6 +419,7 @@ class Dispatcher:
                 await _wait(self.stopping, self.reconnect.delay(failures))
                 continue
             self.last_progress = time.monotonic()
+            self.on_batch(done, done + blocked < self.settings.batch_size)
             if done:
                 continue
             if blocked:
@@ -552,13 +599,6 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
         settings.broker, queue=settings.queue, exchange=settings.exchange,
         binds=settings.binds, prefetch=settings.prefetch,
     )
-    dispatcher = DispatcherThread(
-        lambda: (
-            dispatch_store := Store(settings.database_url, pool_size=2),
-            Dispatcher(settings, dispatch_store, registry, metrics),
-        )
-    )
-
     def wake_dispatcher() -> None:
         # Once the dispatcher has stopped, its event loop is closed and
         # there is nothing to wake; a batch stored while stopping still is.
@@ -566,6 +606,13 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
             dispatcher.wake()
 
     receiver = Receiver(settings, store, consumer, metrics, on_stored=wake_dispatcher)
+    dispatcher = DispatcherThread(
+        lambda: (
+            dispatch_store := Store(settings.database_url, pool_size=2),
+            Dispatcher(settings, dispatch_store, registry, metrics,
+                       on_batch=receiver.pace.dispatched),
+        )
+    )
     if not types:
         log.warning("no handlers registered: every message will be stored as dead "
                     "(give --handlers or install a package with relay.handlers entry points)")

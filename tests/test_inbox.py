@@ -127,6 +127,29 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
     assert state["after-flaky"][2] >= state["flaky"][2] > first_batch.pop()
 
 
+async def test_receiver_stores_at_most_two_batches_ahead_of_slow_handlers(
+    effects, rabbit, inbox
+):
+    # Batches of 5, each handler 50 ms: the backlog stays in the broker,
+    # where another daemon could take it, instead of piling up in the table.
+    inbox("--batch-size", "5")
+    await asyncio.gather(*[
+        publish(rabbit, message_id=f"s-{i}", type="Slow", body=b'{"n": %d, "seconds": 0.05}' % i)
+        for i in range(100)
+    ])
+    most_pending = 0
+    while True:
+        [(stored, pending)] = rows(effects, "SELECT count(*), count(*) FILTER "
+                                            "(WHERE status = 'pending') FROM inbox")
+        most_pending = max(most_pending, pending)
+        if stored == 100 and pending == 0:
+            break
+        time.sleep(0.05)
+    # Two batches ahead, plus the batch taken while the dispatcher finished one.
+    assert 0 < most_pending <= 3 * 5
+    assert sorted(effect_ids(effects)) == sorted(f"s-{i}" for i in range(100))
+
+
 async def test_always_failing_handler_ends_dead_with_no_effect(effects, rabbit, inbox):
     inbox("--max-attempts", "3")
     await publish(rabbit, message_id="x-1", type="AlwaysFails")
