@@ -12,6 +12,7 @@ event loop: a sync handler blocks that thread, never the receiver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,7 +30,7 @@ from relay.backoff import Backoff
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
 from relay.errors import Unavailable
-from relay.handlers import Handler, HandlerRegistry, Message, call, invoke
+from relay.handlers import Handler, HandlerRegistry, Message, call
 from relay.metrics import InboxMetrics
 from relay.store import Failure, InboxRow, NewInboxRow, Store
 
@@ -50,15 +51,6 @@ WATCH_INTERVAL = 0.25
 
 class HandlerHung(RuntimeError):
     """A handler ran far past --handler-timeout and could not be interrupted."""
-
-
-class _HandlerFailed(Exception):
-    """Ends a batch's one-savepoint run at its first failed handler."""
-
-    def __init__(self, index: int, failure: Failure) -> None:
-        super().__init__(failure.error)
-        self.index = index
-        self.failure = failure
 
 
 def dedup_key(message: Incoming) -> str:
@@ -106,26 +98,33 @@ class Pace:
     dispatcher share one interpreter lock: a receiver left to run ahead
     takes the CPU the dispatcher needs, only to move the backlog from the
     broker (where other daemons could take it) into the table. Rows that
-    other daemons handle are not seen here, so the lead is forgotten each
-    time the dispatcher finds less than a full batch due."""
+    other daemons handle are not seen here, so each time the dispatcher
+    finds less than a full batch due, the lead is only what was stored
+    since that claim began."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.lead = 0
+        self.stored_total = 0  # read by the dispatcher's thread before each claim
         self.changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def stored(self, rows: int) -> None:
         self.lead += rows
+        self.stored_total += rows
 
-    def dispatched(self, rows: int, caught_up: bool) -> None:
+    def dispatched(self, rows: int, caught_up: bool, stored_before_claim: int) -> None:
         """Called from the dispatcher's thread after each batch."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._dispatched, rows, caught_up)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the main loop is closed: exiting
+                self._loop.call_soon_threadsafe(
+                    self._dispatched, rows, caught_up, stored_before_claim)
 
-    def _dispatched(self, rows: int, caught_up: bool) -> None:
-        self.lead = 0 if caught_up else self.lead - rows
+    def _dispatched(self, rows: int, caught_up: bool, stored_before_claim: int) -> None:
+        if caught_up:
+            self.lead = self.stored_total - stored_before_claim
+        else:
+            self.lead = max(0, self.lead - rows)
         self.changed.set()
 
     async def wait(self, stopping: asyncio.Event) -> None:
@@ -261,14 +260,13 @@ class Dispatcher:
         store: Store,
         registry: HandlerRegistry,
         metrics: InboxMetrics,
-        on_batch: Callable[[int, bool], None] = lambda rows, caught_up: None,
+        pace: Pace | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.registry = registry
         self.metrics = metrics
-        # (rows handled or failed, whether that was all that is due): for Pace.
-        self.on_batch = on_batch
+        self.pace = pace
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
         self.reconnect = Backoff(0.5, 30.0)
         self.wakeup = asyncio.Event()
@@ -315,45 +313,29 @@ class Dispatcher:
     async def _run_handlers(
         self, conn: Any, rows: Sequence[InboxRow], pid: int | None
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]]]:
-        """Run the handlers of a claimed batch on its transaction; returns the
-        ids of the rows handled and the failures.
-
-        All in one savepoint first: a savepoint per handler costs two round
-        trips and a subtransaction, three times what a one-INSERT handler
-        costs. The first handler that fails rolls the batch back to that
-        savepoint; its failure stands, and the other rows run again, each
-        in a savepoint of its own, as many failures as they have."""
-        try:
-            async with conn.begin_nested():
-                return await self._run_rows(conn, rows, pid, savepoints=False)
-        except _HandlerFailed as first:
-            known = {first.index: first.failure}
-        return await self._run_rows(conn, rows, pid, savepoints=True, known=known)
-
-    async def _run_rows(
-        self, conn: Any, rows: Sequence[InboxRow], pid: int | None, *, savepoints: bool,
-        known: dict[int, Failure] | None = None,
-    ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]]]:
+        """Run the handlers of a claimed batch on its transaction, each in a
+        savepoint of its own, so that a failure rolls back only its own
+        writes; returns the ids of the rows handled and the failures."""
+        savepoints = await self.store.handler_savepoints(conn)
         processed: list[str] = []
         failed: list[tuple[InboxRow, Failure, float]] = []
         failed_keys: set[str] = set()
-        for index, row in enumerate(rows):
+        for row in rows:
             if row.key is not None and row.key in failed_keys:
                 continue  # a failed row holds its key: later rows wait, untouched
             handler = self.registry.get(row.type)
             if handler is None:
                 failure: Failure | None = Failure(
                     f"no handler registered for message type {row.type!r}", permanent=True)
-            elif known is not None and index in known:
-                failure = known[index]
             else:
+                await savepoints.before_handler()
                 self.in_hand = (row, time.monotonic(), pid)
                 try:
-                    failure = await self._handle(conn, row, handler, savepoint=savepoints)
+                    failure = await self._handle(conn, row, handler)
                 finally:
                     self.in_hand = None
-                if failure is not None and not savepoints:
-                    raise _HandlerFailed(index, failure)
+                if failure is not None:
+                    await savepoints.undo_handler()
             if failure is None:
                 processed.append(row.message_id)
                 continue
@@ -362,9 +344,7 @@ class Dispatcher:
                 failed_keys.add(row.key)
         return processed, failed
 
-    async def _handle(
-        self, conn: Any, row: InboxRow, handler: Handler, *, savepoint: bool
-    ) -> Failure | None:
+    async def _handle(self, conn: Any, row: InboxRow, handler: Handler) -> Failure | None:
         headers = orjson.loads(row.headers) if row.headers else {}
         message = Message(
             id=row.message_id,
@@ -378,8 +358,7 @@ class Dispatcher:
         )
         started = time.perf_counter()
         try:
-            await (invoke if savepoint else call)(
-                handler, message, conn, self.settings.handler_timeout)
+            await call(handler, message, conn, self.settings.handler_timeout)
         except Unavailable:
             raise
         except Exception as exc:
@@ -403,6 +382,7 @@ class Dispatcher:
         failures = 0
         while not self.stopping.is_set():
             self.wakeup.clear()
+            stored_before_claim = self.pace.stored_total if self.pace is not None else 0
             try:
                 done, blocked = await self.dispatch_batch()
                 failures = 0
@@ -419,7 +399,9 @@ class Dispatcher:
                 await _wait(self.stopping, self.reconnect.delay(failures))
                 continue
             self.last_progress = time.monotonic()
-            self.on_batch(done, done + blocked < self.settings.batch_size)
+            if self.pace is not None:
+                caught_up = done + blocked < self.settings.batch_size
+                self.pace.dispatched(done, caught_up, stored_before_claim)
             if done:
                 continue
             if blocked:
@@ -581,8 +563,6 @@ class DispatcherThread:
 def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service:
     """The inbox's parts for a lifecycle Daemon: receiver and dispatcher, the
     listener, the scheduled jobs, probes and metrics (not running yet)."""
-    import contextlib
-
     from relay.brokers import make_consumer
     from relay.lifecycle import STALL_AFTER, Service, Started, run_together
     from relay.logs import with_log_context
@@ -610,7 +590,7 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
         lambda: (
             dispatch_store := Store(settings.database_url, pool_size=2),
             Dispatcher(settings, dispatch_store, registry, metrics,
-                       on_batch=receiver.pace.dispatched),
+                       pace=receiver.pace),
         )
     )
     if not types:

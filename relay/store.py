@@ -266,6 +266,16 @@ RETURNING status
 """)
 LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :timeout, true)")
 
+# Each handler of a batch runs in a savepoint of the batch's transaction.
+# Set on the driver connection, a savepoint is left open into the next
+# handler's turn, and moving it on (RELEASE, then SAVEPOINT again) is one
+# round trip of one simple-protocol query: SQLAlchemy's begin_nested takes
+# two, and with its statement overhead cost three times what a one-INSERT
+# handler costs. COMMIT ends whatever savepoint is still open.
+HANDLER_SAVEPOINT = "SAVEPOINT relay_handler"
+NEXT_HANDLER_SAVEPOINT = "RELEASE SAVEPOINT relay_handler; SAVEPOINT relay_handler"
+UNDO_HANDLER = "ROLLBACK TO SAVEPOINT relay_handler"
+
 
 @dataclass(frozen=True, slots=True)
 class OutboxRow:
@@ -325,6 +335,25 @@ def _is_disconnect(exc: BaseException) -> bool:
             exc.orig, psycopg.OperationalError
         )
     return isinstance(exc, (psycopg.OperationalError, OSError, sa_exc.InterfaceError))
+
+
+class HandlerSavepoints:
+    """A savepoint around each handler run of one batch's transaction."""
+
+    def __init__(self, driver_connection: Any) -> None:
+        self._driver = driver_connection
+        self._open = False
+
+    async def before_handler(self) -> None:
+        """A fresh savepoint: what ran before it stays, whatever runs next."""
+        with translate_errors():
+            await self._driver.execute(NEXT_HANDLER_SAVEPOINT if self._open else HANDLER_SAVEPOINT)
+        self._open = True
+
+    async def undo_handler(self) -> None:
+        """Roll back the writes of the handler run since before_handler()."""
+        with translate_errors():
+            await self._driver.execute(UNDO_HANDLER)
 
 
 @contextlib.contextmanager
@@ -585,6 +614,11 @@ class Store:
                         keys.append(key)
                     report[table] = [(c, keys, total) for c, (keys, total) in scopes.items()]
         return report
+
+    async def handler_savepoints(self, conn: AsyncConnection) -> HandlerSavepoints:
+        """Savepoints for the handlers of the batch in `conn`'s transaction."""
+        raw = await conn.get_raw_connection()
+        return HandlerSavepoints(raw.driver_connection)
 
     async def backend_pid(self, conn: AsyncConnection) -> int | None:
         """The PostgreSQL backend pid of a connection (no round trip)."""

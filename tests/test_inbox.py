@@ -92,10 +92,10 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
     effects, rabbit, inbox
 ):
     # Rows already stored before the daemon starts are claimed as one batch:
-    # the handlers of a batch run in one savepoint, and a failure in the
-    # middle must roll back only its own writes.
+    # a failure in its middle rolls back only its own writes, and no other
+    # handler of the batch runs twice.
     consumer = f"{rabbit.exchange}.in"
-    planned = [(f"e{i}", f"k{i}", "Effect", {"n": i}) for i in range(5)]
+    planned = [(f"e{i}", f"k{i}", "Logs", {"n": i}) for i in range(5)]
     planned += [("flaky", "kf", "Flaky", {"n": 99, "fail_times": 1}),
                 ("after-flaky", "kf", "Effect", {"n": 100}),  # waits for its key
                 ("unknown", "ku", "NobodyHandlesThis", {"n": 101})]
@@ -107,14 +107,16 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
                 "VALUES (:c, :m, 't', :k, :t, CAST(:p AS jsonb))"),
                 {"c": consumer, "m": message_id, "k": key, "t": type_,
                  "p": orjson.dumps(payload).decode()})
-    inbox()
+    daemon = inbox()
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status <> 'pending'"))
                == len(planned))
     state = {m: (status, attempts, processed_at) for m, status, attempts, processed_at in rows(
         effects, "SELECT message_id, status, attempts, processed_at FROM inbox")}
     # Every handler's writes landed exactly once, the failed run's not at all.
-    expected = sorted(m for m, _, t, _ in planned if t in ("Effect", "Flaky"))
+    expected = sorted(m for m, _, t, _ in planned if t in ("Effect", "Logs", "Flaky"))
     assert sorted(effect_ids(effects)) == expected
+    # Each "Logs" handler ran once: the failure after them did not run them again.
+    assert daemon.log.count("handling") == 5
     # The failure was counted once; the row succeeded on its retry.
     assert state["flaky"][:2] == ("processed", 1)
     assert state["unknown"][:2] == ("dead", 1)
