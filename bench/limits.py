@@ -1,7 +1,7 @@
 """The two halves of the relay's work, each alone, as fast as a plain loop goes.
 
 - limit_pg: claim-and-mark only, no broker: batched `FOR UPDATE SKIP LOCKED`
-  update loops (two connections, like the relay's two workers), returning
+  update loops (a connection per worker, as many as the relay's), returning
   the columns the relay reads.
 - limit_amqp: publish only, no database: a plain aio-pika loop with a window
   of publishes in flight, persistent, with publisher confirms.

@@ -67,6 +67,7 @@ from bench.common import (
 )
 from bench.handlers import EFFECTS_DDL
 from bench.naive import run_naive
+from relay.outbox import WORKERS
 
 RESULTS = REPO / "bench" / "results"
 
@@ -206,10 +207,11 @@ async def scenario_limit_pg(res: Resources, sz: Sizes, report: Report) -> None:
     """Claim-and-mark only: batched FOR UPDATE SKIP LOCKED updates, no broker."""
     url = await res.database()
     await insert_backlog(url, sz.limit_pg, topic="bench.limit")
-    rows, seconds = await limits.limit_pg(url, batch=500, workers=2)
+    rows, seconds = await limits.limit_pg(url, batch=500, workers=WORKERS)
     if rows != sz.limit_pg:
         raise BenchError(f"claimed {rows} of {sz.limit_pg} rows")
-    report.add("limit_pg", "rate", rows / seconds, "rows/s", rows=rows, batch=500, workers=2)
+    report.add("limit_pg", "rate", rows / seconds, "rows/s", rows=rows, batch=500,
+               workers=WORKERS)
 
 
 async def scenario_limit_amqp(res: Resources, sz: Sizes, report: Report) -> None:

@@ -35,6 +35,7 @@ import pytest
 import sqlalchemy as sa
 
 import relay
+from relay.outbox import WORKERS
 from tests.apps.handlers import EFFECTS_DDL
 from tests.conftest import AMQP_URL, PG_HOST, PG_PORT, RelayProcess, free_port, rows, wait_until
 from tests.proxy import Proxy
@@ -159,7 +160,6 @@ async def test_other_keys_flow_while_a_key_waits_for_an_open_transaction(
 
 TOPIC = "fault.e"
 BATCH = 50  # --batch-size of every daemon in the suite
-OUTBOX_WORKERS = 2  # relay.outbox.WORKERS: batches one relay has in flight
 PREFETCH = 200  # --prefetch of the inboxes
 FAULTS = (
     "kill_outbox",  # kill -9 of `relay outbox`, restarted
@@ -423,7 +423,7 @@ class Suite:
             last[key] = position
         wire = await self.drain_tap(round_)
         relays = 2 if fault == "race_outbox" else 1
-        bound = BATCH * OUTBOX_WORKERS * relays
+        bound = BATCH * WORKERS * relays
         t.rounds += 1
         t.faults += 1
         t.messages += MESSAGES

@@ -324,8 +324,10 @@ class SqsPublisher(_Adapter):
     """Publishes outbox rows to SQS queues named by their topic, with SendMessageBatch."""
 
     def __init__(self, broker: BrokerURL) -> None:
-        # Both outbox workers share the publisher, each with LANES calls in flight.
-        super().__init__(broker, pool=2 * LANES)
+        from relay.outbox import WORKERS
+
+        # The outbox workers share the publisher, each with LANES calls in flight.
+        super().__init__(broker, pool=WORKERS * LANES)
         self._queues: dict[str, _Queue] = {}
 
     @property
