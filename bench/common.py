@@ -124,11 +124,20 @@ async def batch_times(url: str, table: str, column: str | None = None,
         return [(float(t), int(n)) for t, n in await cur.fetchall()]
 
 
+# Fewer batches than this have no steady part: two workers' claims may
+# start within a millisecond of each other (a 1,000-row SQS drain gave
+# "134,770 msgs/s" that way), so the rate is left to rate_wall.
+MIN_BATCHES = 5
+
+
 def steady_rate(points: Sequence[tuple[float, int]], lo: float = 0.1,
                 hi: float = 0.9) -> float | None:
     """Rows per second between the batch that crosses `lo` of the rows and the
     one that crosses `hi`: start-up and the tail are left out. With too few
-    batches for that, from the first batch to the last; None for one batch."""
+    batches for that, from the first batch to the last; None for fewer than
+    MIN_BATCHES batches."""
+    if len(points) < MIN_BATCHES:
+        return None
     total = sum(n for _, n in points)
     done = 0
     start: tuple[float, int] | None = None
@@ -138,7 +147,7 @@ def steady_rate(points: Sequence[tuple[float, int]], lo: float = 0.1,
         if start is not None and done >= hi * total and t > start[0]:
             return (done - start[1]) / (t - start[0])
         done += n
-    if len(points) >= 2 and points[-1][0] > points[0][0]:
+    if points[-1][0] > points[0][0]:
         return (total - points[-1][1]) / (points[-1][0] - points[0][0])
     return None
 
