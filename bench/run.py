@@ -13,6 +13,7 @@ in the database (`published_at` / `processed_at` are the start of each
 batch's transaction): rows between the batch that crosses 10 % of the rows
 and the one that crosses 90 %, over the time between them. "rate_wall" is
 all rows over the time from the daemon's "started" log line to the end.
+Fewer than five batches give no "rate" (a 1,000-row SQS drain is two claims).
 
 --quick: a few thousand messages per scenario, memory and scale at smoke
 size (their targets are not judged); under ~2 minutes. --scale multiplies
