@@ -579,6 +579,7 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
         settings.broker, queue=settings.queue, exchange=settings.exchange,
         binds=settings.binds, prefetch=settings.prefetch,
     )
+
     def wake_dispatcher() -> None:
         # Once the dispatcher has stopped, its event loop is closed and
         # there is nothing to wake; a batch stored while stopping still is.
