@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from sqlalchemy.util import await_only
+
 from relay.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -108,16 +110,37 @@ async def call(fn: Handler, message: Message, conn: Any, timeout: float | None) 
     interrupted, so one that returns after `timeout` fails that attempt.
     """
     if is_async(fn):
-        async with asyncio.timeout(timeout):
-            await fn(message, conn)
+        await _call_async(fn, message, conn, timeout)
     else:
-        started = time.monotonic()
-        await conn.run_sync(lambda sync_conn: fn(message, sync_conn))
-        if timeout is not None and time.monotonic() - started > timeout:
-            raise TimeoutError(
-                f"handler ran {time.monotonic() - started:.1f}s, over --handler-timeout"
-                f" {timeout:g}s"
-            )
+        await conn.run_sync(lambda sync_conn: _call_sync(fn, message, sync_conn, timeout))
+
+
+def call_from_sync(
+    fn: Handler, message: Message, conn: Any, async_conn: Any, timeout: float | None
+) -> None:
+    """call() from sync code on `conn` (a sync Connection): a sync handler
+    runs here; an async one runs on `async_conn`, the AsyncConnection whose
+    run_sync this code runs in (None on a sync engine, where there is no
+    async handler to run)."""
+    if is_async(fn):
+        if async_conn is None:
+            raise TypeError("an async handler needs the AsyncConnection of its batch")
+        await_only(_call_async(fn, message, async_conn, timeout))
+    else:
+        _call_sync(fn, message, conn, timeout)
+
+
+async def _call_async(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
+    async with asyncio.timeout(timeout):
+        await fn(message, conn)
+
+
+def _call_sync(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
+    started = time.monotonic()
+    fn(message, conn)
+    ran = time.monotonic() - started
+    if timeout is not None and ran > timeout:
+        raise TimeoutError(f"handler ran {ran:.1f}s, over --handler-timeout {timeout:g}s")
 
 
 def load(specs: Iterable[str]) -> HandlerRegistry:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -338,22 +338,25 @@ def _is_disconnect(exc: BaseException) -> bool:
 
 
 class HandlerSavepoints:
-    """A savepoint around each handler run of one batch's transaction."""
+    """A savepoint around each handler run of one batch's transaction.
 
-    def __init__(self, driver_connection: Any) -> None:
-        self._driver = driver_connection
+    Works on the DB-API connection under a sync Connection: psycopg's own
+    on the sync engine, SQLAlchemy's adapter (inside run_sync) on the async one."""
+
+    def __init__(self, dbapi_connection: Any) -> None:
+        self._cursor = dbapi_connection.cursor()
         self._open = False
 
-    async def before_handler(self) -> None:
+    def before_handler(self) -> None:
         """A fresh savepoint: what ran before it stays, whatever runs next."""
         with translate_errors():
-            await self._driver.execute(NEXT_HANDLER_SAVEPOINT if self._open else HANDLER_SAVEPOINT)
+            self._cursor.execute(NEXT_HANDLER_SAVEPOINT if self._open else HANDLER_SAVEPOINT)
         self._open = True
 
-    async def undo_handler(self) -> None:
+    def undo_handler(self) -> None:
         """Roll back the writes of the handler run since before_handler()."""
         with translate_errors():
-            await self._driver.execute(UNDO_HANDLER)
+            self._cursor.execute(UNDO_HANDLER)
 
 
 @contextlib.contextmanager
@@ -385,21 +388,26 @@ def _describe(exc: BaseException) -> str:
 class Store:
     """The relay's view of PostgreSQL: an async engine and named queries."""
 
-    def __init__(self, database_url: str, *, pool_size: int = 5) -> None:
+    def __init__(self, database_url: str, *, pool_size: int = 5, sync: bool = False) -> None:
         self.url = sa.make_url(database_url)
-        self.engine: AsyncEngine = create_async_engine(
-            self.url,
-            pool_size=pool_size,
-            max_overflow=pool_size,
-            pool_pre_ping=True,
-            pool_recycle=3600,
+        options: dict[str, Any] = {
+            "pool_size": pool_size,
+            "max_overflow": pool_size,
+            "pool_pre_ping": True,
+            "pool_recycle": 3600,
             # JIT compiles the claim for ~300 ms because its cost estimate is
             # large; it runs in a millisecond without. Options given in the
             # URL (`?options=-csearch_path%3Dapp`) are kept.
-            connect_args={
+            "connect_args": {
                 "connect_timeout": 10, "application_name": "relay",
                 "options": " ".join([*_as_list(self.url.query.get("options")), "-c jit=off"]),
             },
+        }
+        self.engine: AsyncEngine = create_async_engine(self.url, **options)
+        # The same database through psycopg's blocking connection, for a
+        # dispatcher whose handlers are all sync (see relay.inbox.Dispatcher).
+        self.sync_engine: sa.Engine | None = (
+            sa.create_engine(self.url, **options) if sync else None
         )
         self._claim_outbox = {
             policy: sa.text(_CLAIM_OUTBOX.format(dead=cond))
@@ -420,6 +428,8 @@ class Store:
 
     async def close(self) -> None:
         await self.engine.dispose()
+        if self.sync_engine is not None:
+            self.sync_engine.dispose()
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
@@ -427,6 +437,13 @@ class Store:
         with translate_errors():
             async with self.engine.begin() as conn:
                 yield conn
+
+    @contextlib.contextmanager
+    def sync_transaction(self) -> Iterator[sa.Connection]:
+        """transaction() on the sync engine (a Store made with sync=True)."""
+        assert self.sync_engine is not None, "a Store(sync=True) has a sync engine"
+        with translate_errors(), self.sync_engine.begin() as conn:
+            yield conn
 
     async def ping(self) -> None:
         with translate_errors():
@@ -508,17 +525,20 @@ class Store:
             result = await conn.execute(INSERT_INBOX, params)
             return {row[0] for row in result}
 
-    async def claim_inbox(
-        self, conn: AsyncConnection, consumer: str, limit: int, on_dead: str
+    # The dispatcher's batch is sync code, run on a sync Connection of either
+    # engine (inside AsyncConnection.run_sync on the async one): these take one.
+
+    def claim_inbox(
+        self, conn: sa.Connection, consumer: str, limit: int, on_dead: str
     ) -> tuple[list[InboxRow], int]:
         """Lock due rows of a consumer; returns the dispatchable ones and how
         many wait on rows of their key held by another dispatcher."""
         params = {"consumer": consumer, "limit": limit}
         with translate_errors():
-            await conn.exec_driver_sql(PLAN_CLAIM)
-            result = await conn.execute(self._claim_inbox[on_dead], params)
+            conn.exec_driver_sql(PLAN_CLAIM)
+            result = conn.execute(self._claim_inbox[on_dead], params)
             # Handlers share this transaction: give them the default planner.
-            await conn.exec_driver_sql(UNPLAN_CLAIM)
+            conn.exec_driver_sql(UNPLAN_CLAIM)
             rows, blocked = [], 0
             for *fields, is_blocked in result:
                 if is_blocked:
@@ -527,16 +547,14 @@ class Store:
                     rows.append(InboxRow(*fields))
             return rows, blocked
 
-    async def mark_processed(
-        self, conn: AsyncConnection, consumer: str, ids: Sequence[str]
-    ) -> None:
+    def mark_processed(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
         if ids:
             with translate_errors():
-                await conn.execute(MARK_PROCESSED, {"consumer": consumer, "ids": list(ids)})
+                conn.execute(MARK_PROCESSED, {"consumer": consumer, "ids": list(ids)})
 
-    async def mark_inbox_failed(
+    def mark_inbox_failed(
         self,
-        conn: AsyncConnection,
+        conn: sa.Connection,
         consumer: str,
         failures: Sequence[tuple[InboxRow, Failure, float]],
         max_attempts: int,
@@ -553,7 +571,7 @@ class Store:
             "max_attempts": max_attempts,
         }
         with translate_errors():
-            result = await conn.execute(MARK_INBOX_FAILED, params)
+            result = conn.execute(MARK_INBOX_FAILED, params)
             return {row_id: status for row_id, status in result}
 
     async def fail_hung_handler(
@@ -615,15 +633,13 @@ class Store:
                     report[table] = [(c, keys, total) for c, (keys, total) in scopes.items()]
         return report
 
-    async def handler_savepoints(self, conn: AsyncConnection) -> HandlerSavepoints:
+    def handler_savepoints(self, conn: sa.Connection) -> HandlerSavepoints:
         """Savepoints for the handlers of the batch in `conn`'s transaction."""
-        raw = await conn.get_raw_connection()
-        return HandlerSavepoints(raw.driver_connection)
+        return HandlerSavepoints(conn.connection.dbapi_connection)
 
-    async def backend_pid(self, conn: AsyncConnection) -> int | None:
+    def backend_pid(self, conn: sa.Connection) -> int | None:
         """The PostgreSQL backend pid of a connection (no round trip)."""
-        raw = await conn.get_raw_connection()
-        info = getattr(raw.driver_connection, "info", None)
+        info = getattr(conn.connection.driver_connection, "info", None)
         return getattr(info, "backend_pid", None)
 
 

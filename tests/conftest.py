@@ -331,7 +331,8 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, interval: fl
 # The inbox with the test handlers (tests/apps/handlers.py)
 # --------------------------------------------------------------------------
 
-HANDLERS = "tests.apps.handlers:registry"
+HANDLERS = "tests.apps.handlers:registry"  # sync handlers: psycopg's blocking connection
+MIXED_HANDLERS = "tests.apps.handlers:mixed_registry"  # with async ones: the async engine
 
 
 @pytest.fixture

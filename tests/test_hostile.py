@@ -21,7 +21,7 @@ import psycopg
 import sqlalchemy as sa
 
 import relay
-from tests.conftest import REPO, free_port, insert_outbox, rows, wait_until
+from tests.conftest import MIXED_HANDLERS, REPO, free_port, insert_outbox, rows, wait_until
 
 
 
@@ -142,7 +142,7 @@ def test_status_never_shows_the_database_password(database, run_relay):
 async def test_async_handler_over_the_timeout_is_cancelled_and_fails_the_attempt(
     effects, rabbit, inbox
 ):
-    inbox("--handler-timeout", "0.5", "--max-attempts", "2")
+    inbox("--handler-timeout", "0.5", "--max-attempts", "2", handlers=MIXED_HANDLERS)
     await rabbit.publish("t", b'{"n": 1}', message_id="h-1", type="AsyncHang")
     await rabbit.publish("t", b'{"n": 2}', message_id="e-1", type="Effect")
     wait_until(lambda: (status_of(effects, "h-1") or ("",))[0] == "dead", timeout=30)
@@ -151,6 +151,22 @@ async def test_async_handler_over_the_timeout_is_cancelled_and_fails_the_attempt
     assert "did not finish within --handler-timeout 0.5s and was cancelled" in error
     # Its write rolled back with the cancelled attempt; the other row went on.
     wait_until(lambda: effect_ids(effects) == ["e-1"])
+
+
+async def test_sync_handler_over_the_timeout_fails_the_attempt_when_it_returns(
+    effects, rabbit, inbox
+):
+    # A sync handler cannot be interrupted: one that returns late (0.8 s of a
+    # 0.5 s timeout, under the 1 s at which it would count as hung) fails.
+    inbox("--handler-timeout", "0.5", "--max-attempts", "1")
+    await rabbit.publish("t", b'{"n": 1, "seconds": 0.8}', message_id="s-1", type="Slow")
+    await rabbit.publish("t", b'{"n": 2, "seconds": 0}', message_id="s-2", type="Slow")
+    wait_until(lambda: (status_of(effects, "s-1") or ("",))[0] == "dead", timeout=30)
+    _, attempts, error = status_of(effects, "s-1")
+    assert attempts == 1
+    assert "TimeoutError: handler ran 0.8s, over --handler-timeout 0.5s" in error
+    # Its write rolled back with the failed attempt; the other row went on.
+    wait_until(lambda: effect_ids(effects) == ["s-2"])
 
 
 async def test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart(

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 import relay
-from tests.conftest import HANDLERS, rows, wait_until
+from tests.conftest import HANDLERS, MIXED_HANDLERS, rows, wait_until
 
 
 
@@ -51,7 +51,7 @@ async def test_message_is_stored_handled_and_marked_processed(effects, rabbit, i
 
 
 async def test_async_handler_gets_an_async_connection(effects, rabbit, inbox):
-    inbox()
+    inbox(handlers=MIXED_HANDLERS)
     await publish(rabbit, message_id="a-1", type="AsyncEffect")
     wait_until(lambda: effect_ids(effects) == ["a-1"])
     wait_until(lambda: inbox_rows(effects)[0][1] == "processed")
@@ -78,9 +78,21 @@ async def test_same_message_three_times_to_three_inboxes_gives_one_row_and_one_e
     assert declared.declaration_result.message_count == 0
 
 
-async def test_fail_then_succeed_retries_with_backoff(effects, rabbit, inbox):
-    inbox()
-    await publish(rabbit, message_id="f-1", type="Flaky", body=b'{"fail_times": 2, "n": 1}')
+# Each dispatcher path: sync handlers only (psycopg's blocking connection),
+# and sync with async handlers (the async engine, an async handler failing).
+BOTH_PATHS = pytest.mark.parametrize(
+    ("handlers", "flaky", "effect"),
+    [(HANDLERS, "Flaky", "Effect"), (MIXED_HANDLERS, "AsyncFlaky", "AsyncEffect")],
+    ids=["sync", "mixed"],
+)
+
+
+@BOTH_PATHS
+async def test_fail_then_succeed_retries_with_backoff(
+    effects, rabbit, inbox, handlers, flaky, effect
+):
+    inbox(handlers=handlers)
+    await publish(rabbit, message_id="f-1", type=flaky, body=b'{"fail_times": 2, "n": 1}')
     wait_until(lambda: inbox_rows(effects) and inbox_rows(effects)[0][1] == "processed")
     [(_, status, attempts, error, *_)] = inbox_rows(effects)
     assert (status, attempts, error) == ("processed", 2, None)
@@ -88,18 +100,19 @@ async def test_fail_then_succeed_retries_with_backoff(effects, rabbit, inbox):
     assert effect_ids(effects) == ["f-1"]
 
 
+@BOTH_PATHS
 async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_once(
-    effects, rabbit, inbox
+    effects, rabbit, inbox, handlers, flaky, effect
 ):
     # Rows already stored before the daemon starts are claimed as one batch:
     # a failure in its middle rolls back only its own writes, and no other
     # handler of the batch runs twice.
     consumer = f"{rabbit.exchange}.in"
     planned = [(f"e{i}", f"k{i}", "Logs", {"n": i}) for i in range(5)]
-    planned += [("flaky", "kf", "Flaky", {"n": 99, "fail_times": 1}),
-                ("after-flaky", "kf", "Effect", {"n": 100}),  # waits for its key
+    planned += [("flaky", "kf", flaky, {"n": 99, "fail_times": 1}),
+                ("after-flaky", "kf", effect, {"n": 100}),  # waits for its key
                 ("unknown", "ku", "NobodyHandlesThis", {"n": 101})]
-    planned += [(f"e{i}", f"k{i}", "Effect", {"n": i}) for i in range(5, 10)]
+    planned += [(f"e{i}", f"k{i}", effect, {"n": i}) for i in range(5, 10)]
     with effects.begin() as conn:
         for message_id, key, type_, payload in planned:
             conn.execute(sa.text(
@@ -107,13 +120,13 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
                 "VALUES (:c, :m, 't', :k, :t, CAST(:p AS jsonb))"),
                 {"c": consumer, "m": message_id, "k": key, "t": type_,
                  "p": orjson.dumps(payload).decode()})
-    daemon = inbox()
+    daemon = inbox(handlers=handlers)
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status <> 'pending'"))
                == len(planned))
     state = {m: (status, attempts, processed_at) for m, status, attempts, processed_at in rows(
         effects, "SELECT message_id, status, attempts, processed_at FROM inbox")}
     # Every handler's writes landed exactly once, the failed run's not at all.
-    expected = sorted(m for m, _, t, _ in planned if t in ("Effect", "Logs", "Flaky"))
+    expected = sorted(m for m, _, t, _ in planned if t in (effect, "Logs", flaky))
     assert sorted(effect_ids(effects)) == expected
     # Each "Logs" handler ran once: the failure after them did not run them again.
     assert daemon.log.count("handling") == 5

@@ -2,6 +2,10 @@
 
 Every handler records its effect in the `effects` table of the test's
 database (the tests create it), inside the inbox transaction.
+
+`registry` holds sync handlers only, so its dispatcher runs on psycopg's
+blocking connection; `mixed_registry` adds the async ones, which puts the
+dispatcher on the async engine (relay.inbox.Dispatcher.dispatch_batch).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sqlalchemy as sa
 import relay
 
 registry = relay.HandlerRegistry()
+async_registry = relay.HandlerRegistry()
 
 EFFECTS_DDL = (
     "CREATE TABLE effects (id bigserial PRIMARY KEY, message_id text NOT NULL, "
@@ -37,9 +42,17 @@ def effect(message: relay.Message, conn: sa.Connection) -> None:
     conn.execute(_INSERT, _effect(message))
 
 
-@registry.handler("AsyncEffect")
+@async_registry.handler("AsyncEffect")
 async def async_effect(message: relay.Message, conn) -> None:  # AsyncConnection
     await conn.execute(_INSERT, _effect(message))
+
+
+@async_registry.handler("AsyncFlaky")
+async def async_flaky(message: relay.Message, conn) -> None:  # AsyncConnection
+    """Flaky, async."""
+    await conn.execute(_INSERT, _effect(message))
+    if message.attempts < message.payload["fail_times"]:
+        raise RuntimeError(f"flaky failure on attempt {message.attempts + 1}")
 
 
 @registry.handler("Flaky")
@@ -62,7 +75,7 @@ def slow(message: relay.Message, conn: sa.Connection) -> None:
     conn.execute(_INSERT, _effect(message))
 
 
-@registry.handler("AsyncHang")
+@async_registry.handler("AsyncHang")
 async def async_hang(message: relay.Message, conn) -> None:
     await conn.execute(_INSERT, _effect(message))
     await asyncio.sleep(3600)
@@ -82,3 +95,8 @@ def logs(message: relay.Message, conn: sa.Connection) -> None:
 
     logging.getLogger("tests.apps").info("handling")
     conn.execute(_INSERT, _effect(message))
+
+
+mixed_registry = relay.HandlerRegistry()
+mixed_registry.include(registry)
+mixed_registry.include(async_registry)
