@@ -44,6 +44,10 @@ BATCH_WAIT = 0.005
 BLOCKED_RETRY = 0.005
 # How many batches the receiver may store ahead of the dispatcher (Pace).
 PACE_BATCHES = 2
+# Dispatchers per daemon, each in a thread of its own with its own
+# connection and share of the keys (by hash, as the outbox's workers): a
+# dispatcher waits on PostgreSQL about half of its time, the other runs.
+DISPATCHERS = 3
 # A handler still running at this many times --handler-timeout is hung.
 HUNG_AFTER = 2
 WATCH_INTERVAL = 0.25
@@ -102,10 +106,13 @@ class Pace:
     finds less than a full batch due, the lead is only what was stored
     since that claim began."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, workers: int = 1) -> None:
         self.limit = limit
         self.lead = 0
-        self.stored_total = 0  # read by the dispatcher's thread before each claim
+        self.stored_total = 0  # read by the dispatchers' threads before each claim
+        # Per dispatcher worker: stored_total when its last claim began, if
+        # that claim found its share of the keys caught up, else None.
+        self._caught_up_since: list[int | None] = [None] * workers
         self.changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -113,18 +120,25 @@ class Pace:
         self.lead += rows
         self.stored_total += rows
 
-    def dispatched(self, rows: int, caught_up: bool, stored_before_claim: int) -> None:
-        """Called from the dispatcher's thread after each batch."""
+    def dispatched(
+        self, worker: int, rows: int, caught_up: bool, stored_before_claim: int
+    ) -> None:
+        """Called from a dispatcher's thread after each batch."""
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the main loop is closed: exiting
                 self._loop.call_soon_threadsafe(
-                    self._dispatched, rows, caught_up, stored_before_claim)
+                    self._dispatched, worker, rows, caught_up, stored_before_claim)
 
-    def _dispatched(self, rows: int, caught_up: bool, stored_before_claim: int) -> None:
-        if caught_up:
-            self.lead = self.stored_total - stored_before_claim
-        else:
-            self.lead = max(0, self.lead - rows)
+    def _dispatched(
+        self, worker: int, rows: int, caught_up: bool, stored_before_claim: int
+    ) -> None:
+        self.lead = max(0, self.lead - rows)
+        self._caught_up_since[worker] = stored_before_claim if caught_up else None
+        since = self._caught_up_since
+        if all(s is not None for s in since):
+            # Every share was caught up: at most what was stored since the
+            # earliest of those claims began is still to handle.
+            self.lead = min(self.lead, self.stored_total - min(since))  # type: ignore[type-var]
         self.changed.set()
 
     async def wait(self, stopping: asyncio.Event) -> None:
@@ -153,7 +167,7 @@ class Receiver:
         self.on_stored = on_stored
         self.stopping = asyncio.Event()
         self.reconnect = Backoff(0.5, 30.0)
-        self.pace = Pace(PACE_BATCHES * settings.batch_size)
+        self.pace = Pace(PACE_BATCHES * settings.batch_size, DISPATCHERS)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -261,8 +275,12 @@ class Dispatcher:
         registry: HandlerRegistry,
         metrics: InboxMetrics,
         pace: Pace | None = None,
+        worker: int = 0,
+        workers: int = 1,
     ) -> None:
         self.settings = settings
+        self.worker = worker
+        self.workers = workers
         self.store = store
         self.registry = registry
         self.metrics = metrics
@@ -305,7 +323,8 @@ class Dispatcher:
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]], dict[str, str], int]:
         s = self.settings
         consumer = s.consumer_name
-        rows, blocked = self.store.claim_inbox(conn, consumer, s.batch_size, s.on_dead)
+        rows, blocked = self.store.claim_inbox(
+            conn, consumer, s.batch_size, s.on_dead, self.worker, self.workers)
         if not rows:
             return [], [], {}, blocked
         processed, failed = self._run_handlers(conn, async_conn, rows)
@@ -428,7 +447,7 @@ class Dispatcher:
             self.last_progress = time.monotonic()
             if self.pace is not None:
                 caught_up = done + blocked < self.settings.batch_size
-                self.pace.dispatched(done, caught_up, stored_before_claim)
+                self.pace.dispatched(self.worker, done, caught_up, stored_before_claim)
             if done:
                 continue
             if blocked:
@@ -608,22 +627,26 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
     )
 
     def wake_dispatcher() -> None:
-        # Once the dispatcher has stopped, its event loop is closed and
-        # there is nothing to wake; a batch stored while stopping still is.
-        with contextlib.suppress(RuntimeError):
-            dispatcher.wake()
+        # Once a dispatcher has stopped, its event loop is closed and there
+        # is nothing to wake; a batch stored while stopping still is.
+        for dispatcher in dispatchers:
+            with contextlib.suppress(RuntimeError):
+                dispatcher.wake()
 
     receiver = Receiver(settings, store, consumer, metrics, on_stored=wake_dispatcher)
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(registry.get(t)) for t in types)
-    dispatcher = DispatcherThread(
-        lambda: (
-            dispatch_store := Store(settings.database_url, pool_size=2, sync=all_sync),
-            Dispatcher(settings, dispatch_store, registry, metrics,
-                       pace=receiver.pace),
+    def make_dispatcher(worker: int) -> DispatcherThread:
+        return DispatcherThread(
+            lambda: (
+                dispatch_store := Store(settings.database_url, pool_size=2, sync=all_sync),
+                Dispatcher(settings, dispatch_store, registry, metrics,
+                           pace=receiver.pace, worker=worker, workers=DISPATCHERS),
+            )
         )
-    )
+
+    dispatchers = [make_dispatcher(worker) for worker in range(DISPATCHERS)]
     if not types:
         log.warning("no handlers registered: every message will be stored as dead "
                     "(give --handlers or install a package with relay.handlers entry points)")
@@ -651,11 +674,12 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
             settings.queue, settings.consumer_name, ", ".join(types) or "no types",
             extra={"action": "started"},
         )
-        await run_together(receiver.run(), dispatcher.run())
+        await run_together(receiver.run(), *(dispatcher.run() for dispatcher in dispatchers))
 
     def stop() -> None:
         receiver.stop()
-        dispatcher.stop()
+        for dispatcher in dispatchers:
+            dispatcher.stop()
 
     async def ready() -> bool:
         await store.ping()
@@ -663,9 +687,8 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
 
     def progress() -> float:
         # A batch of slow handlers is progress too: each finished handler run counts.
-        running = dispatcher.dispatcher
-        batches = running.last_progress if running is not None else 0.0
-        return max(batches, metrics.handler_seconds.last_observed)
+        batches = [d.dispatcher.last_progress for d in dispatchers if d.dispatcher is not None]
+        return max([*batches, 0.0, metrics.handler_seconds.last_observed])
 
     listener = Listener(store.conninfo, NOTIFY_INBOX, wake_dispatcher)
     return Service(

@@ -139,7 +139,8 @@ WITH locked AS (
     FROM inbox i
     WHERE i.consumer = :consumer AND i.status = 'pending' AND i.available_at <= now()
       AND (i.key IS NULL OR (
-          NOT EXISTS (
+          (hashtext(i.key) & 2147483647) % :workers = :worker
+          AND NOT EXISTS (
               SELECT 1 FROM inbox e
               WHERE e.consumer = i.consumer AND e.key = i.key AND e.seq < i.seq
                 AND e.status <> 'processed' AND e.status <> 'dead'
@@ -539,11 +540,13 @@ class Store:
     # engine (inside AsyncConnection.run_sync on the async one): these take one.
 
     def claim_inbox(
-        self, conn: sa.Connection, consumer: str, limit: int, on_dead: str
+        self, conn: sa.Connection, consumer: str, limit: int, on_dead: str,
+        worker: int = 0, workers: int = 1,
     ) -> tuple[list[InboxRow], int]:
-        """Lock due rows of a consumer; returns the dispatchable ones and how
-        many wait on rows of their key held by another dispatcher."""
-        params = {"consumer": consumer, "limit": limit}
+        """Lock due rows of a consumer, of this worker's share of the keys;
+        returns the dispatchable ones and how many wait on rows of their key
+        held by another dispatcher."""
+        params = {"consumer": consumer, "limit": limit, "worker": worker, "workers": workers}
         with translate_errors():
             conn.exec_driver_sql(PLAN_CLAIM)
             result = conn.execute(self._claim_inbox[on_dead], params)

@@ -13,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 import relay
+from relay.inbox import DISPATCHERS
 from tests.conftest import HANDLERS, MIXED_HANDLERS, rows, wait_until
 
 
@@ -24,6 +25,14 @@ def inbox_rows(engine):
 
 def effect_ids(engine):
     return [r[0] for r in rows(engine, "SELECT message_id FROM effects ORDER BY id")]
+
+
+def one_dispatchers_keys(engine, count):
+    """`count` keys that the same dispatcher of a daemon claims."""
+    return [key for (key,) in rows(
+        engine, "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 1000) i) c "
+        "WHERE (hashtext(k) & 2147483647) % :workers = 0 LIMIT :count",
+        workers=DISPATCHERS, count=count)]
 
 
 async def publish(rabbit, routing_key="orders.placed", body=b'{"n": 1}', **props):
@@ -106,13 +115,15 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
 ):
     # Rows already stored before the daemon starts are claimed as one batch:
     # a failure in its middle rolls back only its own writes, and no other
-    # handler of the batch runs twice.
+    # handler of the batch runs twice. Their keys are all in the share of
+    # one dispatcher (the daemon's dispatchers split the keys by hash).
     consumer = f"{rabbit.exchange}.in"
-    planned = [(f"e{i}", f"k{i}", "Logs", {"n": i}) for i in range(5)]
-    planned += [("flaky", "kf", flaky, {"n": 99, "fail_times": 1}),
-                ("after-flaky", "kf", effect, {"n": 100}),  # waits for its key
-                ("unknown", "ku", "NobodyHandlesThis", {"n": 101})]
-    planned += [(f"e{i}", f"k{i}", effect, {"n": i}) for i in range(5, 10)]
+    k = one_dispatchers_keys(effects, 12)
+    planned = [(f"e{i}", k[i], "Logs", {"n": i}) for i in range(5)]
+    planned += [("flaky", k[10], flaky, {"n": 99, "fail_times": 1}),
+                ("after-flaky", k[10], effect, {"n": 100}),  # waits for its key
+                ("unknown", k[11], "NobodyHandlesThis", {"n": 101})]
+    planned += [(f"e{i}", k[i], effect, {"n": i}) for i in range(5, 10)]
     with effects.begin() as conn:
         for message_id, key, type_, payload in planned:
             conn.execute(sa.text(
