@@ -2,11 +2,12 @@
 
 Two loops. The receiver takes batches from the broker, inserts them with
 ON CONFLICT DO NOTHING (the producer's id is the dedup key), commits, and
-only then acknowledges them. The dispatcher claims pending rows with
-FOR UPDATE SKIP LOCKED and runs each handler in a savepoint of the
-transaction that marks the rows processed, so a handler's database effects
-happen exactly once. The dispatcher runs in its own thread with its own
-event loop: a sync handler blocks that thread, never the receiver.
+only then acknowledges them. Three dispatchers, splitting the keys by
+hash, claim pending rows with FOR UPDATE SKIP LOCKED and run each handler
+in a savepoint of the transaction that marks the rows processed, so a
+handler's database effects happen exactly once. Each dispatcher runs in a
+thread of its own with its own event loop and connection: a sync handler
+blocks only its dispatcher, never the receiver.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ log = logging.getLogger(__name__)
 # How long the receiver waits to fill a batch once a message has arrived.
 BATCH_WAIT = 0.005
 BLOCKED_RETRY = 0.005
-# How many batches the receiver may store ahead of the dispatcher (Pace).
+# How many batches the receiver may store ahead of the dispatchers (Pace).
 PACE_BATCHES = 2
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
-# dispatcher waits on PostgreSQL about half of its time, the other runs.
+# dispatcher waits on PostgreSQL about half of its time, the others run.
 DISPATCHERS = 3
 # A handler still running at this many times --handler-timeout is hung.
 HUNG_AFTER = 2
@@ -96,15 +97,15 @@ def to_row(message: Incoming) -> NewInboxRow:
 
 
 class Pace:
-    """Keeps the receiver at most `limit` stored rows ahead of this daemon's dispatcher.
+    """Keeps the receiver at most `limit` stored rows ahead of this daemon's dispatchers.
 
     Storing a message costs less than handling it, and the receiver and the
-    dispatcher share one interpreter lock: a receiver left to run ahead
-    takes the CPU the dispatcher needs, only to move the backlog from the
+    dispatchers share one interpreter lock: a receiver left to run ahead
+    takes the CPU the dispatchers need, only to move the backlog from the
     broker (where other daemons could take it) into the table. Rows that
-    other daemons handle are not seen here, so each time the dispatcher
-    finds less than a full batch due, the lead is only what was stored
-    since that claim began."""
+    other daemons handle are not seen here, so once the last claim of every
+    dispatcher found less than a full batch of its share due, the lead is at
+    most what was stored since the earliest of those claims began."""
 
     def __init__(self, limit: int, workers: int = 1) -> None:
         self.limit = limit
