@@ -1,6 +1,6 @@
 """The inbox: store received messages, acknowledge them, dispatch them to handlers.
 
-Two loops. The receiver takes batches from the broker, inserts them with
+Two parts. The receiver takes batches from the broker, inserts them with
 ON CONFLICT DO NOTHING (the producer's id is the dedup key), commits, and
 only then acknowledges them. Three dispatchers, splitting the keys by
 hash, claim pending rows with FOR UPDATE SKIP LOCKED and run each handler
