@@ -8,6 +8,7 @@ DatabaseUnavailable at this boundary, so the loops catch one class.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import uuid
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import orjson
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -116,21 +118,39 @@ RETURNING o.id, o.status
 
 # -- inbox -------------------------------------------------------------------
 
-# One statement per received batch; duplicates (same consumer and producer
+# One statement per received batch: the batch travels as one JSON array of
+# objects (a text array per column cost the receiver about a fifth of its
+# CPU in psycopg's array quoting). Duplicates (same consumer and producer
 # id, in the table or earlier in the batch) are skipped, and RETURNING
-# tells which rows are new.
+# tells which rows are new. A raw body (not JSON) comes base64-encoded.
 INSERT_INBOX = sa.text("""
 INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
                    status, last_error)
-SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload::jsonb, m.body,
-       m.headers::jsonb, m.status, m.last_error
-FROM unnest(CAST(:message_ids AS text[]), CAST(:topics AS text[]), CAST(:keys AS text[]),
-            CAST(:types AS text[]), CAST(:payloads AS text[]), CAST(:bodies AS bytea[]),
-            CAST(:headers AS text[]), CAST(:statuses AS text[]), CAST(:errors AS text[]))
-     AS m(message_id, topic, key, type, payload, body, headers, status, last_error)
+SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload, decode(m.body, 'base64'),
+       m.headers, m.status, m.last_error
+FROM json_to_recordset(CAST(:rows AS json))
+     AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
+          headers jsonb, status text, last_error text)
 ON CONFLICT (consumer, message_id) DO NOTHING
 RETURNING message_id
 """)
+
+
+def inbox_rows_json(batch: Sequence[NewInboxRow]) -> str:
+    """A received batch as the JSON array INSERT_INBOX reads. Payloads and
+    headers are JSON texts already (checked when received): they go in as
+    they are."""
+    return orjson.dumps([
+        {
+            "message_id": m.message_id, "topic": m.topic, "key": m.key, "type": m.type,
+            "payload": None if m.payload is None else orjson.Fragment(m.payload),
+            "body": None if m.body is None else base64.b64encode(m.body).decode(),
+            "headers": orjson.Fragment(m.headers), "status": m.status,
+            "last_error": m.last_error,
+        }
+        for m in batch
+    ]).decode()
+
 
 # The inbox twin of the outbox claim (see _CLAIM_OUTBOX), per consumer.
 _CLAIM_INBOX = """
@@ -520,18 +540,7 @@ class Store:
         """Insert a received batch in one transaction; returns the ids that were new."""
         if not batch:
             return set()
-        params = {
-            "consumer": consumer,
-            "message_ids": [m.message_id for m in batch],
-            "topics": [m.topic for m in batch],
-            "keys": [m.key for m in batch],
-            "types": [m.type for m in batch],
-            "payloads": [m.payload for m in batch],
-            "bodies": [m.body for m in batch],
-            "headers": [m.headers for m in batch],
-            "statuses": [m.status for m in batch],
-            "errors": [m.last_error for m in batch],
-        }
+        params = {"consumer": consumer, "rows": inbox_rows_json(batch)}
         async with self.transaction() as conn:
             result = await conn.execute(INSERT_INBOX, params)
             return {row[0] for row in result}
