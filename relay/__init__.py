@@ -5,7 +5,36 @@ consumers register handlers on a `HandlerRegistry`. The daemons are
 `relay outbox` and `relay inbox`.
 """
 
-from relay.handlers import HandlerRegistry, Message
-from relay.producer import enqueue, enqueue_async
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from relay.handlers import HandlerRegistry, Message
+    from relay.producer import enqueue, enqueue_async
 
 __all__ = ["HandlerRegistry", "Message", "enqueue", "enqueue_async"]
+
+# The public names load on first use (PEP 562): they bring SQLAlchemy, which
+# the inbox's receiver process, importing only relay's light modules, does
+# not need (about 20 MB of its memory).
+_LAZY = {
+    "HandlerRegistry": "relay.handlers",
+    "Message": "relay.handlers",
+    "enqueue": "relay.producer",
+    "enqueue_async": "relay.producer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'relay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

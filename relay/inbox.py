@@ -1,20 +1,20 @@
 """The inbox: store received messages, acknowledge them, dispatch them to handlers.
 
-Two parts. The receiver takes batches from the broker, inserts them with
-ON CONFLICT DO NOTHING (the producer's id is the dedup key), commits, and
-only then acknowledges them. Three dispatchers, splitting the keys by
-hash, claim pending rows with FOR UPDATE SKIP LOCKED and run each handler
-in a savepoint of the transaction that marks the rows processed, so a
-handler's database effects happen exactly once. Each dispatcher runs in a
-thread of its own with its own event loop and connection: a sync handler
-blocks only its dispatcher, never the receiver.
+Two parts. The receiver (relay.receiving) takes batches from the broker,
+inserts them with ON CONFLICT DO NOTHING (the producer's id is the dedup
+key), commits, and only then acknowledges them; `relay inbox` runs it in a
+child process of its own. Three dispatchers, splitting the keys by hash,
+claim pending rows with FOR UPDATE SKIP LOCKED and run each handler in a
+savepoint of the transaction that marks the rows processed, so a handler's
+database effects happen exactly once. Each dispatcher runs in a thread of
+its own with its own event loop and connection: a sync handler blocks only
+its dispatcher.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import re
@@ -27,23 +27,21 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import sqlalchemy.exc as sa_exc
 
-from relay.backoff import Backoff
-from relay.brokers import Consumer, Incoming
+from relay.backoff import Backoff, sleep_unless, until_available
 from relay.config import InboxSettings
 from relay.errors import Unavailable
 from relay.handlers import Handler, HandlerRegistry, Message, call_from_sync, is_async
 from relay.metrics import InboxMetrics
-from relay.store import Failure, InboxRow, NewInboxRow, Store
+from relay.store import Failure, InboxRow, Store
 
 if TYPE_CHECKING:
     from relay.lifecycle import Service
 
 log = logging.getLogger(__name__)
 
-# How long the receiver waits to fill a batch once a message has arrived.
-BATCH_WAIT = 0.005
 BLOCKED_RETRY = 0.005
-# How many batches the receiver may store ahead of the dispatchers (Pace).
+# How many batches per dispatcher the receiver may store ahead (Pace): the
+# batch in hand and the next, so that no dispatcher waits for the broker.
 PACE_BATCHES = 2
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
@@ -58,50 +56,12 @@ class HandlerHung(RuntimeError):
     """A handler ran far past --handler-timeout and could not be interrupted."""
 
 
-def dedup_key(message: Incoming) -> str:
-    """The producer's id, else sha256: + the hex digest of the body."""
-    if message.message_id:
-        return message.message_id
-    return "sha256:" + hashlib.sha256(message.body).hexdigest()
-
-
-def _json_text(body: bytes) -> tuple[str | None, str | None]:
-    """(JSON text, None) for a JSON body, (None, why not) otherwise."""
-    try:
-        orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        try:  # orjson refuses some valid JSON (integers over 64 bits)
-            json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return None, f"body is not valid JSON ({exc}); the raw bytes are kept in inbox.body"
-    try:
-        return body.decode("utf-8"), None
-    except UnicodeDecodeError as exc:
-        return None, f"body is not valid UTF-8 ({exc}); the raw bytes are kept in inbox.body"
-
-
-def to_row(message: Incoming) -> NewInboxRow:
-    """The inbox row for a received message; a body that is not JSON is kept, dead."""
-    payload, error = _json_text(message.body)
-    return NewInboxRow(
-        message_id=dedup_key(message),
-        topic=message.topic,
-        key=message.key,
-        type=message.type,
-        payload=payload,
-        body=message.body if payload is None else None,
-        headers=orjson.dumps(message.headers, default=str).decode(),
-        status="pending" if payload is not None else "dead",
-        last_error=error,
-    )
-
-
 class Pace:
     """Keeps the receiver at most `limit` stored rows ahead of this daemon's dispatchers.
 
-    Storing a message costs less than handling it, and the receiver and the
-    dispatchers share one interpreter lock: a receiver left to run ahead
-    takes the CPU the dispatchers need, only to move the backlog from the
+    Storing a message costs less than handling it: a receiver left to run
+    ahead takes CPU the dispatchers need (a core, or the interpreter lock
+    when it runs in their process), only to move the backlog from the
     broker (where other daemons could take it) into the table. Rows that
     other daemons handle are not seen here, so once the last claim of every
     dispatcher found less than a full batch of its share due, the lead is at
@@ -142,128 +102,19 @@ class Pace:
             self.lead = min(self.lead, self.stored_total - min(since))  # type: ignore[type-var]
         self.changed.set()
 
+    def attach(self) -> None:
+        """Take the dispatchers' reports on the running loop, the receiver's."""
+        self._loop = asyncio.get_running_loop()
+
     async def wait(self, stopping: asyncio.Event) -> None:
         """Return once the lead is under the limit (or when stopping)."""
-        self._loop = asyncio.get_running_loop()
+        self.attach()
         while self.lead > self.limit and not stopping.is_set():
             self.changed.clear()
-            await _wait(self.changed, 1.0)
+            await sleep_unless(self.changed, 1.0)
 
-
-class Receiver:
-    """Broker → inbox table, acknowledging only what is committed."""
-
-    def __init__(
-        self,
-        settings: InboxSettings,
-        store: Store,
-        consumer: Consumer,
-        metrics: InboxMetrics,
-        on_stored: Callable[[], None],
-    ) -> None:
-        self.settings = settings
-        self.store = store
-        self.consumer = consumer
-        self.metrics = metrics
-        self.on_stored = on_stored
-        self.stopping = asyncio.Event()
-        self.reconnect = Backoff(0.5, 30.0)
-        self.pace = Pace(PACE_BATCHES * settings.batch_size, DISPATCHERS)
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.pace.changed.set()
-
-    async def run(self) -> None:
-        failures = 0
-        while not self.stopping.is_set():
-            try:
-                await self._consume()
-                failures = 0
-            except Unavailable as exc:
-                failures += 1
-                delay = self.reconnect.delay(failures)
-                log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-                await _wait(self.stopping, delay)
-
-    async def _consume(self) -> None:
-        batches = self.consumer.batches(self.settings.batch_size, BATCH_WAIT)
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            while not self.stopping.is_set():
-                await self.pace.wait(self.stopping)
-                next_batch = asyncio.ensure_future(anext(batches))
-                await asyncio.wait({next_batch, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if not next_batch.done():
-                    # Stopping: what was received and not stored is not
-                    # acknowledged, so the broker delivers it again.
-                    next_batch.cancel()
-                    await asyncio.gather(next_batch, return_exceptions=True)
-                    return
-                batch = next_batch.result()
-                await self.store_batch(batch)
-        finally:
-            stop.cancel()
-            await batches.aclose()
-
-    async def store_batch(self, batch: Sequence[Incoming]) -> None:
-        """Insert and commit, then acknowledge. Holds on to the batch (unacked)
-        while the database is away, unless stopping."""
-        rows = [to_row(m) for m in batch]
-        failures = 0
-        while True:
-            try:
-                new = await self._insert(rows)
-                break
-            except Unavailable as exc:
-                if self.stopping.is_set():
-                    raise
-                failures += 1
-                delay = self.reconnect.delay(failures)
-                log.warning(
-                    "cannot store %d received messages: %s; retrying in %.1fs",
-                    len(rows), exc, delay, extra={"action": "store_wait"},
-                )
-                await _wait(self.stopping, delay)
-        await self.consumer.ack(batch)
-        fresh = len(new)
-        self.metrics.received.inc(len(rows))
-        self.metrics.duplicates.inc(len(rows) - fresh)
-        for row in rows:
-            if row.status == "dead" and row.message_id in new:
-                self.metrics.dead.inc()
-                log.warning(
-                    "stored as dead: %s", row.last_error,
-                    extra={"action": "received_dead", "message_id": row.message_id,
-                           "topic": row.topic},
-                )
-        if fresh:
-            self.pace.stored(fresh)
-            self.on_stored()
-
-    async def _insert(self, rows: list[NewInboxRow]) -> set[str]:
-        consumer = self.settings.consumer_name
-        try:
-            return await self.store.insert_inbox(consumer, rows)
-        except sa_exc.DataError:
-            # JSON that PostgreSQL's jsonb refuses (a \u0000 escape, a
-            # number out of range) sinks the whole statement: store row by
-            # row, keeping the refused bodies as dead rows.
-            new: set[str] = set()
-            for row in rows:
-                try:
-                    new |= await self.store.insert_inbox(consumer, [row])
-                except sa_exc.DataError as exc:
-                    kept = NewInboxRow(
-                        message_id=row.message_id, topic=row.topic, key=row.key,
-                        type=row.type, payload=None,
-                        body=(row.payload or "").encode() if row.body is None else row.body,
-                        headers=row.headers, status="dead",
-                        last_error=f"PostgreSQL refused the JSON body: "
-                        f"{str(exc.orig).splitlines()[0]}; the raw bytes are kept in inbox.body",
-                    )
-                    new |= await self.store.insert_inbox(consumer, [kept])
-            return new
+    def release(self) -> None:
+        self.changed.set()
 
 
 class Dispatcher:
@@ -437,13 +288,13 @@ class Dispatcher:
                 failures += 1
                 delay = self.reconnect.delay(failures)
                 log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-                await _wait(self.stopping, delay)
+                await sleep_unless(self.stopping, delay)
                 continue
             except sa_exc.DBAPIError as exc:
                 if not exc.connection_invalidated:
                     raise
                 failures += 1
-                await _wait(self.stopping, self.reconnect.delay(failures))
+                await sleep_unless(self.stopping, self.reconnect.delay(failures))
                 continue
             self.last_progress = time.monotonic()
             if self.pace is not None:
@@ -454,7 +305,7 @@ class Dispatcher:
             if blocked:
                 await asyncio.sleep(BLOCKED_RETRY)
                 continue
-            await _wait(self.wakeup, self.settings.poll_interval)
+            await sleep_unless(self.wakeup, self.settings.poll_interval)
 
 
 # orjson reads integers over 64 bits as floats; a payload with such a long
@@ -471,13 +322,6 @@ def _loads(text: str) -> object:
 def _error_text(exc: BaseException) -> str:
     """Exception type, message and traceback, as last_error keeps them."""
     return "".join(traceback.format_exception(exc)).rstrip()
-
-
-async def _wait(event: asyncio.Event, timeout: float) -> None:
-    try:
-        await asyncio.wait_for(event.wait(), timeout)
-    except TimeoutError:
-        pass
 
 
 class DispatcherThread:
@@ -607,13 +451,18 @@ class DispatcherThread:
             raise HandlerHung(error)
 
 
-def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service:
-    """The inbox's parts for a lifecycle Daemon: receiver and dispatcher, the
-    listener, the scheduled jobs, probes and metrics (not running yet)."""
-    from relay.brokers import make_consumer
+def inbox_service(
+    settings: InboxSettings, registry: HandlerRegistry, *, receiver_process: bool = False
+) -> Service:
+    """The inbox's parts for a lifecycle Daemon: receiver and dispatchers, the
+    listener, the scheduled jobs, probes and metrics (not running yet).
+
+    With `receiver_process` the receiver runs in a child process of its own
+    (relay.receiving.ReceiverProcess); else on the daemon's event loop."""
     from relay.lifecycle import STALL_AFTER, Service, Started, run_together
     from relay.logs import with_log_context
     from relay.maintenance import run_scheduler
+    from relay.receiving import LocalReceiver, ReceiverProcess
     from relay.store import NOTIFY_INBOX, Listener
 
     assert settings.broker is not None
@@ -622,10 +471,7 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
     registry = with_log_context(registry)
     metrics = InboxMetrics()
     store = Store(settings.database_url, pool_size=2)
-    consumer = make_consumer(
-        settings.broker, queue=settings.queue, exchange=settings.exchange,
-        binds=settings.binds, prefetch=settings.prefetch,
-    )
+    pace = Pace(PACE_BATCHES * DISPATCHERS * settings.batch_size, DISPATCHERS)
 
     def wake_dispatcher() -> None:
         # Once a dispatcher has stopped, its event loop is closed and there
@@ -634,7 +480,16 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
             with contextlib.suppress(RuntimeError):
                 dispatcher.wake()
 
-    receiver = Receiver(settings, store, consumer, metrics, on_stored=wake_dispatcher)
+    def stored(received: int, new: int, dead: int) -> None:
+        """The receiver's report of one batch, stored and acknowledged."""
+        metrics.received.inc(received)
+        metrics.duplicates.inc(received - new)
+        metrics.dead.inc(dead)
+        if new:
+            pace.stored(new)
+            wake_dispatcher()
+
+    receiver = (ReceiverProcess if receiver_process else LocalReceiver)(settings, pace, stored)
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(registry.get(t)) for t in types)
@@ -643,7 +498,7 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
             lambda: (
                 dispatch_store := Store(settings.database_url, pool_size=2, sync=all_sync),
                 Dispatcher(settings, dispatch_store, registry, metrics,
-                           pace=receiver.pace, worker=worker, workers=DISPATCHERS),
+                           pace=pace, worker=worker, workers=DISPATCHERS),
             )
         )
 
@@ -652,22 +507,11 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
         log.warning("no handlers registered: every message will be stored as dead "
                     "(give --handlers or install a package with relay.handlers entry points)")
 
-    async def ready_to_start() -> None:
-        failures = 0
-        while not receiver.stopping.is_set():
-            try:
-                await store.check_schema()
-                await consumer.connect()
-                return
-            except Unavailable as exc:
-                failures += 1
-                delay = receiver.reconnect.delay(failures)
-                log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-                await _wait(receiver.stopping, delay)
-
     async def main(started: Started) -> None:
-        await ready_to_start()
-        if receiver.stopping.is_set():
+        if not await until_available(store.check_schema, receiver.stopping,
+                                     Backoff(0.5, 30.0), log):
+            return
+        if not await receiver.start():
             return
         started()
         log.info(
@@ -684,12 +528,14 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
 
     async def ready() -> bool:
         await store.ping()
-        return consumer.connected
+        return receiver.connected
 
     def progress() -> float:
-        # A batch of slow handlers is progress too: each finished handler run counts.
+        # A batch of slow handlers is progress too: each finished handler run
+        # counts. A receiver process that stopped saying it is alive is not.
         batches = [d.dispatcher.last_progress for d in dispatchers if d.dispatcher is not None]
-        return max([*batches, 0.0, metrics.handler_seconds.last_observed])
+        handled = max([*batches, 0.0, metrics.handler_seconds.last_observed])
+        return min(handled, receiver.last_alive)
 
     listener = Listener(store.conninfo, NOTIFY_INBOX, wake_dispatcher)
     return Service(
@@ -708,17 +554,18 @@ def inbox_service(settings: InboxSettings, registry: HandlerRegistry) -> Service
         # Above the dispatcher's own hung-handler detection (HUNG_AFTER).
         stall_after=max(STALL_AFTER, (HUNG_AFTER + 1) * settings.handler_timeout)
         + settings.poll_interval,
-        on_stop=[consumer.close, store.close],
+        on_stop=[receiver.close, store.close],
     )
 
 
 async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int:
-    """`relay inbox`: receiver, dispatcher, listener, jobs and probes; returns the exit code."""
+    """`relay inbox`: receiver process, dispatchers, listener, jobs and probes;
+    returns the exit code."""
     from relay.lifecycle import Daemon
 
     daemon = Daemon(
         name="inbox",
-        services=[inbox_service(settings, registry)],
+        services=[inbox_service(settings, registry, receiver_process=True)],
         shutdown_timeout=settings.shutdown_timeout,
         http_port=settings.http_port,
         own_process=True,

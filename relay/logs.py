@@ -16,11 +16,12 @@ import sys
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from relay.handlers import Handler, HandlerRegistry, Message, is_async
+if TYPE_CHECKING:  # relay.handlers loads SQLAlchemy; the receiver process logs without it
+    from relay.handlers import Handler, HandlerRegistry, Message
 
 # Attributes a LogRecord always has; anything else came in through `extra=`.
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -65,6 +66,8 @@ class MessageContextFilter(logging.Filter):
 
 
 def _with_context(fn: Handler) -> Handler:
+    from relay.handlers import is_async
+
     if is_async(fn):
         @functools.wraps(fn)
         async def run_async(message: Message, conn: Any) -> Any:
@@ -83,6 +86,8 @@ def _with_context(fn: Handler) -> Handler:
 
 def with_log_context(registry: HandlerRegistry) -> HandlerRegistry:
     """The same handlers, each running inside message_context()."""
+    from relay.handlers import HandlerRegistry
+
     wrapped = HandlerRegistry()
     for type_ in registry.types:
         handler = registry.get(type_)
@@ -173,12 +178,23 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+# What setup() was last given, for a helper process to log the same way.
+_configured: tuple[str, str, tuple[str, ...]] | None = None
+
+
+def configuration() -> tuple[str, str, tuple[str, ...]] | None:
+    """(level, format, secrets) of the last setup(), or None before any."""
+    return _configured
+
+
 def setup(level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = ()) -> None:
     """Configure the root logger for a relay command; safe to call twice."""
+    global _configured
+    _configured = (level, fmt, tuple(secrets))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(MessageContextFilter())
-    handler.addFilter(RedactingFilter(secrets))
+    handler.addFilter(RedactingFilter(_configured[2]))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

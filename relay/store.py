@@ -1,20 +1,19 @@
-"""PostgreSQL: the only module that talks to the database on the relay's behalf.
+"""PostgreSQL: the module that talks to the database on the relay's behalf.
 
 Every query the daemons and commands run is named here, with bound
-parameters only. Driver errors that mean "the server went away" become
-DatabaseUnavailable at this boundary, so the loops catch one class.
+parameters only, but for the receiver's one INSERT (relay.receiving, whose
+process does without SQLAlchemy). Driver errors that mean "the server went
+away" become DatabaseUnavailable at this boundary, so the loops catch one
+class.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import orjson
@@ -26,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from relay import schema
 from relay.config import redact_url
 from relay.errors import DatabaseUnavailable
+from relay.rows import Failure, InboxRow, OutboxRow
 
 log = logging.getLogger(__name__)
 
@@ -117,40 +117,6 @@ RETURNING o.id, o.status
 """)
 
 # -- inbox -------------------------------------------------------------------
-
-# One statement per received batch: the batch travels as one JSON array of
-# objects (a text array per column cost the receiver about a fifth of its
-# CPU in psycopg's array quoting). Duplicates (same consumer and producer
-# id, in the table or earlier in the batch) are skipped, and RETURNING
-# tells which rows are new. A raw body (not JSON) comes base64-encoded.
-INSERT_INBOX = sa.text("""
-INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
-                   status, last_error)
-SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload, decode(m.body, 'base64'),
-       m.headers, m.status, m.last_error
-FROM json_to_recordset(CAST(:rows AS json))
-     AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
-          headers jsonb, status text, last_error text)
-ON CONFLICT (consumer, message_id) DO NOTHING
-RETURNING message_id
-""")
-
-
-def inbox_rows_json(batch: Sequence[NewInboxRow]) -> str:
-    """A received batch as the JSON array INSERT_INBOX reads. Payloads and
-    headers are JSON texts already (checked when received): they go in as
-    they are."""
-    return orjson.dumps([
-        {
-            "message_id": m.message_id, "topic": m.topic, "key": m.key, "type": m.type,
-            "payload": None if m.payload is None else orjson.Fragment(m.payload),
-            "body": None if m.body is None else base64.b64encode(m.body).decode(),
-            "headers": orjson.Fragment(m.headers), "status": m.status,
-            "last_error": m.last_error,
-        }
-        for m in batch
-    ]).decode()
-
 
 # The inbox twin of the outbox claim (see _CLAIM_OUTBOX), per consumer.
 _CLAIM_INBOX = """
@@ -296,58 +262,6 @@ LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :timeout, true)")
 HANDLER_SAVEPOINT = "SAVEPOINT relay_handler"
 NEXT_HANDLER_SAVEPOINT = "RELEASE SAVEPOINT relay_handler; SAVEPOINT relay_handler"
 UNDO_HANDLER = "ROLLBACK TO SAVEPOINT relay_handler"
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxRow:
-    """A claimed outbox row, as the publishers see it."""
-
-    id: uuid.UUID
-    seq: int
-    topic: str
-    key: str | None
-    type: str | None
-    payload: str  # JSON text as PostgreSQL renders it
-    headers: str  # JSON object text
-    created_at: datetime
-    attempts: int
-
-
-@dataclass(frozen=True, slots=True)
-class InboxRow:
-    """A claimed inbox row, as the dispatcher sees it."""
-
-    message_id: str
-    seq: int
-    topic: str | None
-    key: str | None
-    type: str | None
-    payload: str | None  # JSON text, or None for a body that is not JSON
-    headers: str
-    attempts: int
-
-
-@dataclass(frozen=True, slots=True)
-class NewInboxRow:
-    """A received message ready for INSERT_INBOX."""
-
-    message_id: str
-    topic: str | None
-    key: str | None
-    type: str | None
-    payload: str | None  # JSON text
-    body: bytes | None  # the raw body, kept when it is not JSON
-    headers: str  # JSON object text
-    status: str = "pending"
-    last_error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """Why one message could not be published or handled."""
-
-    error: str
-    permanent: bool = False  # retrying cannot help: dead at once
 
 
 def _is_disconnect(exc: BaseException) -> bool:
@@ -535,15 +449,6 @@ class Store:
             return {row_id: status for row_id, status in result}
 
     # -- inbox -----------------------------------------------------------------
-
-    async def insert_inbox(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
-        """Insert a received batch in one transaction; returns the ids that were new."""
-        if not batch:
-            return set()
-        params = {"consumer": consumer, "rows": inbox_rows_json(batch)}
-        async with self.transaction() as conn:
-            result = await conn.execute(INSERT_INBOX, params)
-            return {row[0] for row in result}
 
     # The dispatcher's batch is sync code, run on a sync Connection of either
     # engine (inside AsyncConnection.run_sync on the async one): these take one.

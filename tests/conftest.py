@@ -315,6 +315,30 @@ def run_relay(relay_env: dict[str, str]) -> Callable[..., subprocess.CompletedPr
     return run
 
 
+def receiver_processes(parent: int) -> list[int]:
+    """The live receiver processes (`python -m relay.receiving`) of a `relay inbox`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == parent and stat[0] != "Z" and b"relay.receiving" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (gone, or a zombie not yet reaped)."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "Z"
+    except OSError:
+        return True
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05,
                message: str = "condition") -> Any:
     deadline = time.monotonic() + timeout

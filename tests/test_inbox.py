@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import signal
 import time
 import uuid
@@ -13,8 +14,15 @@ import pytest
 import sqlalchemy as sa
 
 import relay
-from relay.inbox import DISPATCHERS
-from tests.conftest import HANDLERS, MIXED_HANDLERS, rows, wait_until
+from relay.inbox import DISPATCHERS, PACE_BATCHES
+from tests.conftest import (
+    HANDLERS,
+    MIXED_HANDLERS,
+    process_gone,
+    receiver_processes,
+    rows,
+    wait_until,
+)
 
 
 
@@ -153,11 +161,13 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
     assert state["after-flaky"][2] >= state["flaky"][2] > first_batch.pop()
 
 
-async def test_receiver_stores_at_most_two_batches_ahead_of_slow_handlers(
+async def test_receiver_stores_at_most_two_batches_per_dispatcher_ahead_of_slow_handlers(
     effects, rabbit, inbox
 ):
     # Batches of 5, each handler 50 ms: the backlog stays in the broker,
     # where another daemon could take it, instead of piling up in the table.
+    limit = PACE_BATCHES * DISPATCHERS * 5
+    assert limit < 100 / 2  # else the bound below would not show pacing
     inbox("--batch-size", "5")
     await asyncio.gather(*[
         publish(rabbit, message_id=f"s-{i}", type="Slow", body=b'{"n": %d, "seconds": 0.05}' % i)
@@ -171,8 +181,8 @@ async def test_receiver_stores_at_most_two_batches_ahead_of_slow_handlers(
         if stored == 100 and pending == 0:
             break
         time.sleep(0.05)
-    # Two batches ahead, plus the batch taken while the dispatcher finished one.
-    assert 0 < most_pending <= 3 * 5
+    # The limit, plus the batch taken while a dispatcher finished one.
+    assert 0 < most_pending <= limit + 5
     assert sorted(effect_ids(effects)) == sorted(f"s-{i}" for i in range(100))
 
 
@@ -259,6 +269,55 @@ async def test_kill_9_between_insert_and_ack_loses_and_duplicates_nothing(
     assert len(ids) == 3000 and len(set(ids)) == 3000
     assert rows(effects, "SELECT status, count(*) FROM inbox GROUP BY status") == [
         ("processed", 3000)]
+
+
+async def test_kill_9_of_the_inbox_takes_its_receiver_process_along(effects, rabbit, inbox):
+    daemon = inbox()
+    [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))
+    daemon.signal(signal.SIGKILL)
+    daemon.wait()
+    wait_until(lambda: process_gone(receiver), timeout=5, message="receiver process gone")
+    # Nothing is left consuming the queue: a message stays there for the next daemon.
+    probe = await rabbit.connection.channel()
+    for _ in range(100):
+        declared = await probe.declare_queue(daemon.queue, passive=True)
+        if declared.declaration_result.consumer_count == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert declared.declaration_result.consumer_count == 0
+    await publish(rabbit, message_id="after-kill", type="Effect")
+    await asyncio.sleep(0.5)
+    declared = await probe.declare_queue(daemon.queue, passive=True)
+    assert declared.declaration_result.message_count == 1
+    inbox()
+    wait_until(lambda: effect_ids(effects) == ["after-kill"])
+
+
+async def test_a_receiver_process_that_dies_stops_the_inbox_with_status_1(
+    effects, rabbit, inbox
+):
+    daemon = inbox()
+    [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))
+    os.kill(receiver, signal.SIGKILL)
+    assert daemon.wait(30) == 1
+    assert "the receiver process exited with status -9" in daemon.log
+    inbox()  # the supervisor's restart
+    await publish(rabbit, message_id="after-restart", type="Effect")
+    wait_until(lambda: effect_ids(effects) == ["after-restart"])
+
+
+async def test_ctrl_c_reaching_both_processes_still_stops_cleanly(effects, rabbit, inbox):
+    # A terminal sends SIGINT to the whole process group: the receiver
+    # process leaves stopping to the daemon, which stops it in order.
+    daemon = inbox()
+    [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))
+    await publish(rabbit, message_id="before-stop", type="Effect")
+    wait_until(lambda: effect_ids(effects) == ["before-stop"])
+    os.kill(receiver, signal.SIGINT)
+    daemon.signal(signal.SIGINT)
+    assert daemon.wait(30) == 0, daemon.log
+    assert process_gone(receiver)
+    assert "Traceback" not in daemon.log and "exited with status" not in daemon.log
 
 
 async def test_status_and_retry_commands(effects, rabbit, inbox, run_relay):

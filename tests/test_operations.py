@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from collections.abc import Callable
 
 import orjson
@@ -23,7 +24,16 @@ import sqlalchemy as sa
 import relay
 from relay.lifecycle import EXIT_FAILURE, EXIT_OK, Daemon, Service
 from relay.store import RETENTION_LOCK
-from tests.conftest import HANDLERS, PG_HOST, PG_PORT, free_port, insert_outbox, rows, wait_until
+from tests.conftest import (
+    HANDLERS,
+    PG_HOST,
+    PG_PORT,
+    free_port,
+    insert_outbox,
+    receiver_processes,
+    rows,
+    wait_until,
+)
 from tests.proxy import amqp_proxy, pg_proxy  # noqa: F401 - fixtures
 
 
@@ -557,6 +567,10 @@ async def test_no_password_in_any_log_line_or_metric(database, engine, rabbit, s
     for port in (outbox_port, inbox_port):
         wait_until(lambda: http_status(port, "/metrics") == 200, timeout=30)  # noqa: B023
     metrics = scrape_text(outbox_port) + scrape_text(inbox_port)
+    # The receiver process gets the settings over a socket, not its command line.
+    [receiver] = receiver_processes(daemon.proc.pid)
+    cmdline = Path(f"/proc/{receiver}/cmdline").read_bytes().decode()
+    assert "relay.receiving" in cmdline and "S3cret" not in cmdline and "postgres" not in cmdline
     # The broker goes away: reconnect warnings carry the URL, masked.
     unreachable = start_relay("outbox", env={
         **env, "RELAY_BROKER_URL": f"amqp://relay:{quoted}@127.0.0.1:1/"})

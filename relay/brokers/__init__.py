@@ -16,7 +16,7 @@ from typing import Protocol
 import orjson
 
 from relay.config import BrokerURL
-from relay.store import Failure, OutboxRow
+from relay.rows import Failure, OutboxRow
 
 
 class Outcome(enum.Enum):

@@ -44,7 +44,7 @@ from relay.brokers import (
 )
 from relay.config import BrokerURL, redact_url
 from relay.errors import BrokerUnavailable, ConfigError
-from relay.store import Failure, OutboxRow
+from relay.rows import Failure, OutboxRow
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,63 @@
+"""The rows the loops and the adapters pass around.
+
+A module of its own, free of SQLAlchemy, so that the inbox's receiver
+process (relay.receiving) and the broker adapters load without it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A claimed outbox row, as the publishers see it."""
+
+    id: uuid.UUID
+    seq: int
+    topic: str
+    key: str | None
+    type: str | None
+    payload: str  # JSON text as PostgreSQL renders it
+    headers: str  # JSON object text
+    created_at: datetime
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class InboxRow:
+    """A claimed inbox row, as the dispatcher sees it."""
+
+    message_id: str
+    seq: int
+    topic: str | None
+    key: str | None
+    type: str | None
+    payload: str | None  # JSON text, or None for a body that is not JSON
+    headers: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class NewInboxRow:
+    """A received message ready for relay.receiving.INSERT_INBOX."""
+
+    message_id: str
+    topic: str | None
+    key: str | None
+    type: str | None
+    payload: str | None  # JSON text
+    body: bytes | None  # the raw body, kept when it is not JSON
+    headers: str  # JSON object text
+    status: str = "pending"
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why one message could not be published or handled."""
+
+    error: str
+    permanent: bool = False  # retrying cannot help: dead at once
