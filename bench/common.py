@@ -183,24 +183,54 @@ def read_status(pid: int) -> dict[str, int]:
     return values
 
 
+def descendants(pid: int) -> list[int]:
+    """The live processes started by `pid`, their children, and so on."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
 class RssSampler:
-    """Samples a process's RSS every `interval` seconds while it runs."""
+    """Samples the RSS of a process and its descendants (relay inbox's
+    receiver process) every `interval` seconds while it runs. The peak is
+    the sum of each process's own peak (VmHWM): exact when they peak
+    together, above the true peak otherwise."""
 
     def __init__(self, pid: int, interval: float = 0.5) -> None:
         self.pid = pid
         self.interval = interval
-        self.samples: list[tuple[float, int]] = []  # (monotonic, kB)
-        self.hwm_kb = 0
+        self.samples: list[tuple[float, int]] = []  # (monotonic, kB of the whole tree)
+        self.hwm_by_pid: dict[int, int] = {}
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def hwm_kb(self) -> int:
+        return sum(self.hwm_by_pid.values())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
     def sample(self) -> None:
-        values = read_status(self.pid)
-        if "VmRSS" in values:
-            self.samples.append((time.monotonic(), values["VmRSS"]))
-        self.hwm_kb = max(self.hwm_kb, values.get("VmHWM", 0))
+        total = 0
+        for pid in [self.pid, *descendants(self.pid)]:
+            values = read_status(pid)
+            total += values.get("VmRSS", 0)
+            self.hwm_by_pid[pid] = max(self.hwm_by_pid.get(pid, 0), values.get("VmHWM", 0))
+        if total:
+            self.samples.append((time.monotonic(), total))
 
     async def _run(self) -> None:
         while True:
@@ -227,7 +257,10 @@ class RssSampler:
         def mb(kb: int | None) -> float | None:
             return round(kb / 1024, 1) if kb is not None else None
 
-        result: dict[str, Any] = {"peak_mb": mb(self.hwm_kb or None), "samples": len(self.samples)}
+        result: dict[str, Any] = {
+            "peak_mb": mb(self.hwm_kb or None), "samples": len(self.samples),
+            "process_peaks_mb": [mb(kb) for kb in self.hwm_by_pid.values()],
+        }
         if self.samples:
             start = self.samples[0][0] if start is None else start
             end = self.samples[-1][0] if end is None else end

@@ -134,9 +134,11 @@ class Report:
 
 def _rss_figures(report: Report, scenario: str, who: str, proc: Proc,
                  start: float | None = None, end: float | None = None) -> dict[str, Any]:
-    """Peak RSS; with a window, also the RSS at 10, 50 and 90 % of it."""
+    """Peak RSS of the daemon's processes; with a window, also the RSS at 10,
+    50 and 90 % of it."""
     summary = proc.rss.summary(start, end)
-    report.add(scenario, f"{who}_peak_rss", summary["peak_mb"], "MB")
+    report.add(scenario, f"{who}_peak_rss", summary["peak_mb"], "MB",
+               process_peaks_mb=summary["process_peaks_mb"])
     if start is not None:
         for pct in (10, 50, 90):
             if f"rss_{pct}pct_mb" in summary:
@@ -627,7 +629,11 @@ def _fmt(value: Any) -> str:
 
 
 def print_table(report: Report, checks: list[dict[str, Any]]) -> None:
-    rows = [(f["scenario"], f["figure"], _fmt(f["value"]), f["unit"]) for f in report.figures]
+    def unit(f: dict[str, Any]) -> str:
+        peaks = f.get("process_peaks_mb") or []
+        return f["unit"] + (f" ({' + '.join(map(str, peaks))})" if len(peaks) > 1 else "")
+
+    rows = [(f["scenario"], f["figure"], _fmt(f["value"]), unit(f)) for f in report.figures]
     widths = [max(len(r[i]) for r in [("scenario", "figure", "value", "unit"), *rows])
               for i in range(4)]
     line = "  ".join
