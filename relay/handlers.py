@@ -116,13 +116,14 @@ async def call(fn: Handler, message: Message, conn: Any, timeout: float | None) 
 
 
 def call_from_sync(
-    fn: Handler, message: Message, conn: Any, async_conn: Any, timeout: float | None
+    fn: Handler, message: Message, conn: Any, async_conn: Any, timeout: float | None,
+    asynchronous: bool | None = None,
 ) -> None:
     """call() from sync code on `conn` (a sync Connection): a sync handler
     runs here; an async one runs on `async_conn`, the AsyncConnection whose
     run_sync this code runs in (None on a sync engine, where there is no
-    async handler to run)."""
-    if is_async(fn):
+    async handler to run). `asynchronous`: is_async(fn), if known already."""
+    if is_async(fn) if asynchronous is None else asynchronous:
         if async_conn is None:
             raise TypeError("an async handler needs the AsyncConnection of its batch")
         await_only(_call_async(fn, message, async_conn, timeout))

@@ -135,6 +135,11 @@ class Dispatcher:
         self.workers = workers
         self.store = store
         self.registry = registry
+        # Each type's handler and whether it is a coroutine function, looked up once.
+        self.handlers: dict[str | None, tuple[Handler, bool]] = {
+            type_: (handler, is_async(handler))
+            for type_ in registry.types if (handler := registry.get(type_)) is not None
+        }
         self.metrics = metrics
         self.pace = pace
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
@@ -219,7 +224,7 @@ class Dispatcher:
         for row in rows:
             if row.key is not None and row.key in failed_keys:
                 continue  # a failed row holds its key: later rows wait, untouched
-            handler = self.registry.get(row.type)
+            handler = self.handlers.get(row.type)
             if handler is None:
                 failure: Failure | None = Failure(
                     f"no handler registered for message type {row.type!r}", permanent=True)
@@ -227,7 +232,7 @@ class Dispatcher:
                 savepoints.before_handler()
                 self.in_hand = (row, time.monotonic(), pid)
                 try:
-                    failure = self._handle(conn, async_conn, row, handler)
+                    failure = self._handle(conn, async_conn, row, *handler)
                 finally:
                     self.in_hand = None
                 if failure is not None:
@@ -241,7 +246,7 @@ class Dispatcher:
         return processed, failed
 
     def _handle(
-        self, conn: Any, async_conn: Any, row: InboxRow, handler: Handler
+        self, conn: Any, async_conn: Any, row: InboxRow, handler: Handler, asynchronous: bool
     ) -> Failure | None:
         headers = orjson.loads(row.headers) if row.headers else {}
         message = Message(
@@ -256,7 +261,8 @@ class Dispatcher:
         )
         started = time.perf_counter()
         try:
-            call_from_sync(handler, message, conn, async_conn, self.settings.handler_timeout)
+            call_from_sync(handler, message, conn, async_conn, self.settings.handler_timeout,
+                           asynchronous)
         except Unavailable:
             raise
         except Exception as exc:
@@ -270,10 +276,11 @@ class Dispatcher:
             return Failure(_error_text(exc))
         finally:
             self.metrics.handler_seconds.observe(time.perf_counter() - started)
-        log.debug(
-            "handled", extra={"action": "handled", "message_id": row.message_id,
-                              "type": row.type, "traceparent": headers.get("traceparent")},
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "handled", extra={"action": "handled", "message_id": row.message_id,
+                                  "type": row.type, "traceparent": headers.get("traceparent")},
+            )
         return None
 
     async def run(self) -> None:

@@ -27,12 +27,13 @@ if TYPE_CHECKING:  # relay.handlers loads SQLAlchemy; the receiver process logs 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
-# The message a handler is running for, as log fields. A sync handler runs
-# through AsyncConnection.run_sync in a greenlet of the dispatcher's thread;
-# the wrapper below sets the variable inside that call, where the handler's
-# logging happens.
-_message_fields: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
-    "relay_message_fields", default=None
+# The message a handler is running for. A sync handler runs through
+# AsyncConnection.run_sync in a greenlet of the dispatcher's thread; the
+# wrapper below sets the variable inside that call, where the handler's
+# logging happens. Its log fields are made only for a record that is
+# emitted: most handler runs log nothing.
+_current_message: contextvars.ContextVar[Message | None] = contextvars.ContextVar(
+    "relay_current_message", default=None
 )
 
 
@@ -46,20 +47,20 @@ def message_fields(message: Message) -> dict[str, str]:
 @contextlib.contextmanager
 def message_context(message: Message) -> Iterator[None]:
     """Log records emitted inside carry the message's id, type, topic and traceparent."""
-    token = _message_fields.set(message_fields(message))
+    token = _current_message.set(message)
     try:
         yield
     finally:
-        _message_fields.reset(token)
+        _current_message.reset(token)
 
 
 class MessageContextFilter(logging.Filter):
     """Adds the fields of the message being handled to records that lack them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        fields = _message_fields.get()
-        if fields:
-            for key, value in fields.items():
+        message = _current_message.get()
+        if message is not None:
+            for key, value in message_fields(message).items():
                 if not hasattr(record, key):
                     setattr(record, key, value)
         return True
@@ -78,8 +79,11 @@ def _with_context(fn: Handler) -> Handler:
 
     @functools.wraps(fn)
     def run(message: Message, conn: Any) -> Any:
-        with message_context(message):
+        token = _current_message.set(message)  # message_context(), without a generator
+        try:
             return fn(message, conn)
+        finally:
+            _current_message.reset(token)
 
     return run
 

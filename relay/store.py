@@ -155,9 +155,12 @@ _INBOX_DEAD_BLOCKS = {
                 AND d.status = 'dead')""",
 }
 
+# The ids travel as one JSON array: a text[] parameter costs the dispatcher
+# psycopg's array quoting of every id.
 MARK_PROCESSED = sa.text(
     "UPDATE inbox SET status = 'processed', processed_at = now(), last_error = NULL "
-    "WHERE consumer = :consumer AND message_id = ANY(:ids)"
+    "WHERE consumer = :consumer "
+    "AND message_id = ANY(ARRAY(SELECT json_array_elements_text(CAST(:ids AS json))))"
 )
 
 MARK_INBOX_FAILED = sa.text("""
@@ -477,7 +480,8 @@ class Store:
     def mark_processed(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
         if ids:
             with translate_errors():
-                conn.execute(MARK_PROCESSED, {"consumer": consumer, "ids": list(ids)})
+                conn.execute(MARK_PROCESSED, {"consumer": consumer,
+                                              "ids": orjson.dumps(list(ids)).decode()})
 
     def mark_inbox_failed(
         self,
