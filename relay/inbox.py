@@ -103,7 +103,8 @@ class Pace:
         self.changed.set()
 
     def attach(self) -> None:
-        """Take the dispatchers' reports on the running loop, the receiver's."""
+        """Take the dispatchers' reports on the running loop (the daemon's);
+        until then they are dropped."""
         self._loop = asyncio.get_running_loop()
 
     async def wait(self, stopping: asyncio.Event) -> None:
@@ -526,6 +527,7 @@ def inbox_service(
             settings.queue, settings.consumer_name, ", ".join(types) or "no types",
             extra={"action": "started"},
         )
+        pace.attach()  # before any dispatcher can report a batch
         await run_together(receiver.run(), *(dispatcher.run() for dispatcher in dispatchers))
 
     def stop() -> None:

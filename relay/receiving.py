@@ -374,7 +374,7 @@ class ReceiverProcess:
 
     def __init__(self, settings: InboxSettings, pace: Any, report: Report) -> None:
         self.settings = settings
-        self.pace = pace  # relay.inbox.Pace: stored(), changed, lead, stored_total, limit
+        self.pace = pace  # relay.inbox.Pace: its limit, lead, stored_total and changed event
         self.report = report
         self.stopping = asyncio.Event()
         self.connected = False
@@ -453,7 +453,6 @@ class ReceiverProcess:
             await asyncio.gather(leads, return_exceptions=True)
 
     async def _send_leads(self) -> None:
-        self.pace.attach()
         while True:
             await self.pace.changed.wait()
             self.pace.changed.clear()
