@@ -348,6 +348,8 @@ class LocalReceiver:
 
 
 def _send(writer: asyncio.StreamWriter, message: tuple[Any, ...]) -> None:
+    if writer.is_closing():  # the other end has gone: nobody to tell
+        return
     data = pickle.dumps(message)
     writer.write(len(data).to_bytes(4, "big") + data)
 
@@ -462,7 +464,7 @@ class ReceiverProcess:
     def stop(self) -> None:
         """Ask the child to stop taking messages, store what it holds, and exit."""
         self.stopping.set()
-        if self._writer is not None and not self._writer.is_closing():
+        if self._writer is not None:
             _send(self._writer, ("stop",))
 
     async def close(self) -> None:
