@@ -18,7 +18,7 @@ from relay.brokers import Outcome, Publisher
 from relay.config import OutboxSettings
 from relay.errors import BrokerUnavailable, Unavailable
 from relay.metrics import OutboxMetrics
-from relay.store import Failure, OutboxRow, Store
+from relay.store import Failure, OutboxRow, OutboxSession, Store
 
 if TYPE_CHECKING:
     from relay.lifecycle import Service
@@ -52,6 +52,7 @@ class OutboxRelay:
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
         self.reconnect = Backoff(0.5, 30.0)
         self._wakeups: list[asyncio.Event] = []
+        self._sessions: dict[int, OutboxSession] = {}
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
 
@@ -63,17 +64,25 @@ class OutboxRelay:
         self.stopping.set()
         self.wake()
 
+    async def close(self) -> None:
+        """Close the workers' connections (after run() has returned)."""
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
+
     async def publish_batch(self, worker: int = 0, workers: int = 1) -> tuple[int, int]:
         """Claim, publish and mark one batch.
 
         Returns how many rows it published or failed, and how many it left
         for the worker that holds an earlier row of their key."""
         s = self.settings
-        async with self.store.transaction() as conn:
-            rows, blocked = await self.store.claim_outbox(
-                conn, s.batch_size, s.on_dead, worker, workers
-            )
+        session = self._sessions.get(worker)
+        if session is None:
+            session = self._sessions[worker] = self.store.outbox_session(s.on_dead)
+        try:
+            rows, blocked = await session.claim(s.batch_size, worker, workers)
             if not rows:
+                await session.finish(())
                 return 0, blocked
             started = time.perf_counter()
             results = await self.publisher.publish(rows)
@@ -85,8 +94,11 @@ class OutboxRelay:
                     published.append(row)
                 elif isinstance(result, Failure):
                     failed.append((row, result, self.backoff.delay(row.attempts + 1)))
-            await self.store.mark_published(conn, [row.id for row in published])
-            statuses = await self.store.mark_outbox_failed(conn, failed, s.max_attempts)
+            statuses = await session.finish([row.id for row in published], failed,
+                                            s.max_attempts)
+        except BaseException:
+            await session.abort()
+            raise
         self.metrics.published.inc(len(published))
         for row, failure, delay in failed:
             dead = statuses.get(row.id) == "dead"
@@ -177,7 +189,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     from relay.store import NOTIFY_OUTBOX, Listener
 
     assert settings.broker is not None
-    store = Store(settings.database_url, pool_size=WORKERS + 2)
+    store = Store(settings.database_url, pool_size=2)
     publisher = make_publisher(settings.broker, exchange=settings.exchange)
     relay = OutboxRelay(settings, store, publisher)
     probe_lock = asyncio.Lock()
@@ -230,7 +242,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         metrics=relay.metrics.render,
         progress=lambda: relay.last_progress,
         stall_after=STALL_AFTER + settings.poll_interval,
-        on_stop=[publisher.close, store.close],
+        on_stop=[publisher.close, relay.close, store.close],
     )
 
 

@@ -459,6 +459,7 @@ async def test_partial_batch_failure_marks_only_the_failed_row(
     try:
         outbox = OutboxRelay(settings, store, publisher)
         assert await outbox.publish_batch() == (3, 0)  # one batch, one call for SQS
+        await outbox.close()
     finally:
         await publisher.close()
         await store.close()

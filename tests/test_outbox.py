@@ -10,10 +10,14 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import orjson
+import pytest
 import sqlalchemy as sa
 
 import relay
+from relay.errors import DatabaseUnavailable
 from relay.outbox import WORKERS
+from relay.rows import Failure
+from relay.store import Store
 from tests.conftest import insert_outbox, rows, wait_until
 
 
@@ -301,3 +305,67 @@ def test_message_id_is_stable_and_unique(engine):
     assert given == uuid.UUID(int=5)
     assert {r[0] for r in rows(engine, "SELECT id FROM outbox")} == {given, fresh}
     assert json.loads(json.dumps(str(fresh)))
+
+
+# -- the workers' own connections (relay.store.OutboxSession) -----------------
+
+
+async def test_worker_session_commits_without_waiting_for_the_disk_and_plans_by_index(
+    engine, database
+):
+    insert_outbox(engine, 3, topic="t")
+    session = Store(database).outbox_session("skip")
+    try:
+        rows_, blocked = await session.claim(10)
+        assert ([r.payload for r in rows_], blocked) == (
+            ['{"i": 1}', '{"i": 2}', '{"i": 3}'], 0)
+        conn = session._conn
+        settings = await (await conn.execute(
+            "SELECT current_setting('synchronous_commit'), current_setting('enable_seqscan'), "
+            "current_setting('jit')")).fetchone()
+        assert settings == ("off", "off", "off")
+        assert await session.finish([r.id for r in rows_[:2]]) == {}
+    finally:
+        await session.close()
+    assert rows(engine, "SELECT status FROM outbox ORDER BY seq") == [
+        ("published",), ("published",), ("pending",)]
+
+
+async def test_worker_session_keeps_its_statements_through_failures_and_rollbacks(
+    engine, database
+):
+    # psycopg prepares a statement run five times on its own, and answers a
+    # ROLLBACK by deallocating every prepared statement of the session: the
+    # claim's too, had the session let it prepare MARK_OUTBOX_FAILED.
+    insert_outbox(engine, 1, topic="t")
+    session = Store(database).outbox_session("skip")
+    try:
+        for attempt in range(8):
+            [row], _ = await session.claim(10)
+            statuses = await session.finish(
+                [], [(row, Failure("nack"), 0.0)], max_attempts=100)
+            assert statuses == {row.id: "pending"}, attempt
+        [row], _ = await session.claim(10)
+        await session.abort()
+        [again], _ = await session.claim(10)
+        assert again.id == row.id and again.attempts == 8
+        await session.finish([again.id])
+    finally:
+        await session.close()
+    assert rows(engine, "SELECT status, attempts FROM outbox") == [("published", 8)]
+
+
+async def test_worker_session_that_lost_its_statements_reconnects(engine, database):
+    insert_outbox(engine, 1, topic="t")
+    session = Store(database).outbox_session("skip")
+    try:
+        await session.claim(10)
+        await session.abort()
+        await session._conn.execute("DEALLOCATE ALL")  # as a pooler's reset would
+        with pytest.raises(DatabaseUnavailable, match="relay_claim"):
+            await session.claim(10)
+        [row], _ = await session.claim(10)  # a new connection, prepared again
+        await session.finish([row.id])
+    finally:
+        await session.close()
+    assert rows(engine, "SELECT status FROM outbox") == [("published",)]
