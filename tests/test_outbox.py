@@ -131,6 +131,37 @@ async def test_unroutable_topic_fails_with_backoff_then_dies(engine, rabbit, run
     assert (status, attempts) == ("dead", 2)
 
 
+async def test_a_nack_fails_only_its_rows_and_a_return_only_its_own(engine, rabbit, run_relay):
+    # A full queue that rejects publishes makes RabbitMQ nack them; one row
+    # of the same batch is unroutable and comes back; the rest are acked.
+    channel = await rabbit.connection.channel()
+    exchange = await channel.declare_exchange(rabbit.exchange, "topic", durable=True)
+    full = await channel.declare_queue(
+        f"{rabbit.exchange}.full", durable=True,
+        arguments={"x-max-length": 2, "x-overflow": "reject-publish"})
+    rabbit.queues.append(full.name)
+    await full.bind(exchange, "full")
+    ok = await rabbit.queue("ok")
+    with engine.begin() as conn:
+        ids = [relay.enqueue(conn, "full", {"n": n}) for n in range(4)]
+        lost = relay.enqueue(conn, "no.binding", {"n": 4})
+        ids += [relay.enqueue(conn, "ok", {"n": n}) for n in range(5, 8)]
+    result = run_relay("outbox", "--once", "--exchange", rabbit.exchange,
+                       "--backoff-min", "30", "--backoff-max", "60")
+    assert result.returncode == 0, result.stderr
+    outcome = {r[0]: r[1:] for r in rows(engine, "SELECT id, status, attempts, last_error "
+                                                 "FROM outbox")}
+    for message_id in [*ids[:2], *ids[4:]]:
+        assert outcome[message_id] == ("published", 0, None)
+    for message_id in ids[2:4]:
+        status, attempts, error = outcome[message_id]
+        assert (status, attempts) == ("pending", 1)
+        assert error.startswith("rejected by RabbitMQ (nack)")
+    assert outcome[lost][:2] == ("pending", 1) and "unroutable" in outcome[lost][2]
+    assert len(await rabbit.drain(ok, 3)) == 3
+    await channel.close()
+
+
 async def test_bad_headers_and_empty_topic_go_dead_with_a_clear_error(engine, rabbit, run_relay):
     queue = await rabbit.queue("#")
     with engine.begin() as conn:

@@ -21,6 +21,8 @@ import aiormq
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import ChannelFrame, DeliveredMessage
+from aiormq.channel import Returning
+from pamqp import commands as spec
 
 from relay.brokers.amqp_wire import publish_frames, shortstr
 from relay.brokers import (
@@ -106,6 +108,91 @@ class _Client:
                 pass
 
 
+_UNSETTLED = object()  # no ack, nack or return yet
+_RETURNED = object()  # came back unroutable (mandatory)
+
+
+class _Confirms:
+    """The publisher confirms of one batch, counted by delivery tag.
+
+    aiormq keeps an asyncio future per publish in channel.confirmations and
+    settles a multiple-ack tag by tag, each through call_soon: with the
+    futures' own callbacks, two fifths of the relay's CPU in a drain. Here
+    every tag of a batch maps to this one object instead, the publisher's
+    channel settles acks through _on_confirm below, and the batch waits on
+    one future. A returned message still goes through aiormq, which calls
+    set_exception (or set_result) with it before the broker's ack."""
+
+    __slots__ = ("settled", "first", "outcomes", "left", "tags")
+
+    def __init__(self, settled: asyncio.Future[None], first: int, tags: dict[str, int]) -> None:
+        self.settled = settled  # the channel's: rejected if it closes
+        self.first = first  # delivery tag of outcomes[0]
+        self.outcomes: list[Any] = []  # None (acked), _RETURNED, a nack frame, _UNSETTLED
+        self.left = 0
+        self.tags = tags  # message id -> delivery tag, the channel's
+
+    def add(self) -> None:
+        self.outcomes.append(_UNSETTLED)
+        self.left += 1
+
+    def settle(self, tag: int, outcome: Any) -> None:
+        offset = tag - self.first
+        if self.outcomes[offset] is not _UNSETTLED:
+            return
+        self.outcomes[offset] = outcome
+        self.left -= 1
+        if not self.left and not self.settled.done():
+            self.settled.set_result(None)
+
+    # What aiormq's channel calls on a confirmation (see _on_return_frame).
+    def done(self) -> bool:
+        return self.settled.done()
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.set_result(getattr(exc, "message", None))
+
+    def set_result(self, message: Any) -> None:
+        message_id = getattr(getattr(message, "header", None), "properties", None)
+        tag = self.tags.get(getattr(message_id, "message_id", None) or "")
+        if tag is not None:
+            self.settle(tag, _RETURNED)
+
+
+def _settle_confirms(channel: aiormq.abc.AbstractChannel) -> None:
+    """Settle the publisher's acks and nacks a range at a time (see _Confirms)."""
+    confirmations = channel.confirmations  # in delivery tag order but for returns
+
+    def settle(tag: int, confirmation: Any, frame: Any) -> None:
+        ack = isinstance(frame, spec.Basic.Ack)
+        if isinstance(confirmation, _Confirms):
+            confirmation.settle(tag, None if ack else frame)
+        elif not isinstance(confirmation, Returning) and not confirmation.done():
+            if ack:  # a future of aiormq's own
+                confirmation.set_result(frame)
+            else:
+                confirmation.set_exception(aiormq.exceptions.DeliveryError(None, frame))
+
+    async def on_confirm_frame(frame: Any) -> None:
+        last = frame.delivery_tag
+        if not getattr(frame, "multiple", False):
+            if last in confirmations:
+                settle(last, confirmations.pop(last), frame)
+            return
+        while confirmations:
+            tag, confirmation = confirmations.popitem(last=False)
+            if tag > last:
+                confirmations[tag] = confirmation
+                confirmations.move_to_end(tag, last=False)
+                return
+            settle(tag, confirmation, frame)
+
+    channel._on_confirm_frame = on_confirm_frame  # type: ignore[method-assign]
+
+
 class AmqpPublisher(_Client):
     """Publishes outbox rows to a durable topic exchange with publisher confirms."""
 
@@ -138,6 +225,7 @@ class AmqpPublisher(_Client):
             channel = await connection.channel(publisher_confirms=True)
             await _declare_exchange(channel, self.exchange)
             self._channel = await channel.get_underlay_channel()
+            _settle_confirms(self._channel)
         except _CONNECTION_ERRORS as exc:
             await connection.close()
             raise _unavailable(exc, self.url) from exc
@@ -173,12 +261,14 @@ class AmqpPublisher(_Client):
         channel = self._channel
         assert channel is not None
         results: list[PublishResult] = [None] * len(rows)
-        waiting: list[tuple[int, asyncio.Future[Any], str]] = []
         frames: list[bytes] = []
+        indexes: list[int] = []  # of the rows published, in delivery tag order
+        message_ids = channel.message_id_delivery_tag
         # The whole batch goes out as one buffer. Delivery tags are the
         # channel's publish sequence numbers, so they are taken under the
         # channel's lock, in the order the frames are written.
         async with channel.lock:
+            batch = _Confirms(channel.create_future(), channel.delivery_tag + 1, message_ids)
             for index, row in enumerate(rows):
                 try:
                     frames.append(self._encode(channel, row))
@@ -186,12 +276,10 @@ class AmqpPublisher(_Client):
                     results[index] = Failure(str(exc), permanent=True)
                     continue
                 channel.delivery_tag += 1
-                tag = channel.delivery_tag
-                # A future of the channel's: aiormq rejects it if the channel closes.
-                confirmation = channel.create_future()
-                channel.confirmations[tag] = confirmation
-                channel.message_id_delivery_tag[str(row.id)] = tag  # to match returns
-                waiting.append((index, confirmation, str(row.id)))
+                channel.confirmations[channel.delivery_tag] = batch
+                message_ids[str(row.id)] = channel.delivery_tag  # to match returns
+                batch.add()
+                indexes.append(index)
             if frames:
                 try:
                     await channel.write_queue.put(
@@ -199,30 +287,31 @@ class AmqpPublisher(_Client):
                     )
                 except _CONNECTION_ERRORS as exc:
                     raise _unavailable(exc, self.url) from exc
-        if not waiting:
+        if not indexes:
+            batch.settled.set_result(None)
             return results
-        done, pending = await asyncio.wait(
-            [future for _, future, _ in waiting], timeout=CONFIRM_TIMEOUT
-        )
         broken: BaseException | None = None
-        for index, confirmation, message_id in waiting:
-            channel.message_id_delivery_tag.pop(message_id, None)
-            if confirmation not in done:
-                broken = broken or TimeoutError(f"no confirm within {CONFIRM_TIMEOUT:.0f}s")
+        try:
+            await asyncio.wait_for(asyncio.shield(batch.settled), CONFIRM_TIMEOUT)
+        except TimeoutError:
+            broken = TimeoutError(f"no confirm within {CONFIRM_TIMEOUT:.0f}s")
+        except asyncio.CancelledError:
+            if not batch.settled.cancelled():
+                raise  # our task's, not the channel's
+            broken = asyncio.CancelledError()
+        except Exception as exc:  # the channel or connection closed first
+            broken = exc
+        for index, outcome in zip(indexes, batch.outcomes, strict=True):
+            message_ids.pop(str(rows[index].id), None)
+            if outcome is None:
+                continue
+            if outcome is _UNSETTLED:
                 results[index] = Outcome.RELEASE
-                continue
-            exc = None if confirmation.cancelled() else confirmation.exception()
-            if exc is None and not confirmation.cancelled():
-                if isinstance(confirmation.result(), aiormq.abc.DeliveredMessage):  # returned
-                    results[index] = self._unroutable(rows[index])
-                continue
-            if isinstance(exc, aiormq.exceptions.PublishError):
+            elif outcome is _RETURNED:
                 results[index] = self._unroutable(rows[index])
-            elif isinstance(exc, aiormq.exceptions.DeliveryError):
-                results[index] = Failure(f"rejected by RabbitMQ (nack): {exc}")
-            else:  # the channel or connection closed before the confirm came
-                broken = broken or exc or asyncio.CancelledError()
-                results[index] = Outcome.RELEASE
+            else:
+                nack = aiormq.exceptions.DeliveryError(None, outcome)
+                results[index] = Failure(f"rejected by RabbitMQ (nack): {nack}")
         if broken is not None:
             if not self._size_refused(rows, results, broken):
                 log.warning("RabbitMQ connection lost mid-batch: %s",
