@@ -109,7 +109,7 @@ class OutboxRelay:
                 "publish failed%s: %s",
                 " (dead)" if dead else f" (retry in {delay:.1f}s)",
                 failure.error,
-                extra={"action": "publish_failed", "message_id": str(row.id),
+                extra={"action": "publish_failed", "message_id": row.id,
                        "topic": row.topic, "attempts": row.attempts + 1},
             )
         # RELEASE rows stay pending, no attempt counted: held back behind a

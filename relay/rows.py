@@ -6,7 +6,6 @@ process (relay.receiving) and the broker adapters load without it.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -15,7 +14,7 @@ from datetime import datetime
 class OutboxRow:
     """A claimed outbox row, as the publishers see it."""
 
-    id: uuid.UUID
+    id: str  # the UUID's text
     seq: int
     topic: str
     key: str | None

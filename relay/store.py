@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
+import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -64,7 +64,7 @@ WITH locked AS (
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
-SELECT l.id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
+SELECT l.id::text AS id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
        l.headers::text AS headers, l.created_at, l.attempts,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM outbox e
@@ -106,6 +106,7 @@ OUTBOX_SESSION_OPTIONS = [
     "-c enable_sort=off", "-c enable_bitmapscan=off", "-c enable_seqscan=off",
     "-c synchronous_commit=off",
 ]
+_UUID_LIST = re.compile(r"[0-9a-fA-F,-]*").fullmatch
 MARK_PUBLISHED = (
     "UPDATE outbox SET status = 'published', published_at = now(), last_error = NULL "
     "WHERE id = ANY($1)"
@@ -124,7 +125,7 @@ FROM unnest(CAST(%(ids)s AS uuid[]), CAST(%(errors)s AS text[]),
             CAST(%(delays)s AS float8[]), CAST(%(permanent)s AS bool[]))
      AS f(id, error, delay, permanent)
 WHERE o.id = f.id
-RETURNING o.id, o.status
+RETURNING o.id::text, o.status
 """
 
 # -- inbox -------------------------------------------------------------------
@@ -361,14 +362,14 @@ class OutboxSession:
 
     async def finish(
         self,
-        published: Sequence[uuid.UUID],
+        published: Sequence[str],
         failures: Sequence[tuple[OutboxRow, Failure, float]] = (),
         max_attempts: int = 1,
-    ) -> dict[uuid.UUID, str]:
+    ) -> dict[str, str]:
         """Mark the batch's rows and commit; returns each failed row's new status."""
         async with self._errors():
             conn = await self._connect()
-            statuses: dict[uuid.UUID, str] = {}
+            statuses: dict[str, str] = {}
             if failures:
                 cursor = await conn.execute(MARK_OUTBOX_FAILED, {
                     "ids": [row.id for row, _, _ in failures],
@@ -378,8 +379,10 @@ class OutboxSession:
                     "max_attempts": max_attempts,
                 })
                 statuses = {row_id: status for row_id, status in await cursor.fetchall()}
-            # UUIDs the claim returned, so nothing in the literal needs quoting.
-            ids = ",".join(map(str, published))
+            # The ids the claim returned: UUIDs, which need no quoting.
+            ids = ",".join(published)
+            if not _UUID_LIST(ids):
+                raise ValueError(f"not a list of UUIDs: {ids[:80]!r}")
             await conn.execute(f"EXECUTE relay_mark('{{{ids}}}'); COMMIT" if ids else "COMMIT")
             return statuses
 

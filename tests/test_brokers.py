@@ -722,7 +722,7 @@ async def test_sqs_close_makes_held_messages_visible_at_once(sqs, monkeypatch):
 
 
 def _row(n: int, *, topic: str = "q", key: str | None = None, payload: str = "{}") -> OutboxRow:
-    return OutboxRow(uuid.uuid4(), n, topic, key, None, payload, "{}", None, 0)  # type: ignore
+    return OutboxRow(str(uuid.uuid4()), n, topic, key, None, payload, "{}", None, 0)  # type: ignore
 
 
 def test_sqs_calls_hold_10_entries_and_the_byte_limit_and_keep_key_order():

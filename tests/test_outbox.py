@@ -400,3 +400,16 @@ async def test_worker_session_that_lost_its_statements_reconnects(engine, databa
     finally:
         await session.close()
     assert rows(engine, "SELECT status FROM outbox") == [("published",)]
+
+
+async def test_worker_session_marks_only_uuids(engine, database):
+    insert_outbox(engine, 1, topic="t")
+    session = Store(database).outbox_session("skip")
+    try:
+        [row], _ = await session.claim(10)
+        with pytest.raises(ValueError, match="not a list of UUIDs"):
+            await session.finish([row.id, "x'); DELETE FROM outbox; --"])
+        await session.abort()
+    finally:
+        await session.close()
+    assert rows(engine, "SELECT status FROM outbox") == [("pending",)]

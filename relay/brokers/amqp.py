@@ -250,7 +250,7 @@ class AmqpPublisher(_Client):
         try:
             return publish_frames(
                 channel.number, self._exchange_name, row.topic, body,
-                message_id=str(row.id), type=row.type, timestamp=row.created_at,
+                message_id=row.id, type=row.type, timestamp=row.created_at,
                 headers=headers, max_content_size=channel.max_content_size,
             )
         except ValueError as exc:  # a topic, type or header name over 255 bytes
@@ -277,7 +277,7 @@ class AmqpPublisher(_Client):
                     continue
                 channel.delivery_tag += 1
                 channel.confirmations[channel.delivery_tag] = batch
-                message_ids[str(row.id)] = channel.delivery_tag  # to match returns
+                message_ids[row.id] = channel.delivery_tag  # to match returns
                 batch.add()
                 indexes.append(index)
             if frames:
@@ -302,7 +302,7 @@ class AmqpPublisher(_Client):
         except Exception as exc:  # the channel or connection closed first
             broken = exc
         for index, outcome in zip(indexes, batch.outcomes, strict=True):
-            message_ids.pop(str(rows[index].id), None)
+            message_ids.pop(rows[index].id, None)
             if outcome is None:
                 continue
             if outcome is _UNSETTLED:

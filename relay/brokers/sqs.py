@@ -222,7 +222,7 @@ def build_entry(row: OutboxRow, index: int) -> _Entry:
         )
     headers = row_headers(row)
     body = row_body(row).decode("utf-8")
-    attributes = {"message_id": _attribute(str(row.id))}
+    attributes = {"message_id": _attribute(row.id)}
     if row.type:
         attributes["type"] = _attribute(row.type)
     if row.key:
@@ -253,7 +253,7 @@ def build_entry(row: OutboxRow, index: int) -> _Entry:
                 "(1-128 ASCII letters, digits and punctuation)"
             )
         params["MessageGroupId"] = group
-        params["MessageDeduplicationId"] = str(row.id)
+        params["MessageDeduplicationId"] = row.id
         order_key = group
     return _Entry(index, row.topic, order_key, size, params)
 
