@@ -3,9 +3,9 @@
 Every query the daemons and commands run is named here, but for the
 receiver's one INSERT (relay.receiving, whose process does without
 SQLAlchemy). Values travel as bound parameters, except in OutboxSession's
-EXECUTEs, which carry only integers and UUIDs that PostgreSQL gave. Driver errors that mean "the server went
-away" become DatabaseUnavailable at this boundary, so the loops catch one
-class.
+EXECUTEs, which carry only integers and the UUIDs its claim returned.
+Driver errors that mean "the server went away" become DatabaseUnavailable
+at this boundary, so the loops catch one class.
 """
 
 from __future__ import annotations

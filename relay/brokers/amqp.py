@@ -119,8 +119,8 @@ class _Confirms:
     settles a multiple-ack tag by tag, each through call_soon: with the
     futures' own callbacks, two fifths of the relay's CPU in a drain. Here
     every tag of a batch maps to this one object instead, the publisher's
-    channel settles acks through _on_confirm below, and the batch waits on
-    one future. A returned message still goes through aiormq, which calls
+    channel settles acks a range at a time (_settle_confirms), and the batch
+    waits on one future. A returned message still goes through aiormq, which calls
     set_exception (or set_result) with it before the broker's ack."""
 
     __slots__ = ("settled", "first", "outcomes", "left", "tags")
@@ -156,8 +156,8 @@ class _Confirms:
         self.set_result(getattr(exc, "message", None))
 
     def set_result(self, message: Any) -> None:
-        message_id = getattr(getattr(message, "header", None), "properties", None)
-        tag = self.tags.get(getattr(message_id, "message_id", None) or "")
+        properties = getattr(getattr(message, "header", None), "properties", None)
+        tag = self.tags.get(getattr(properties, "message_id", None) or "")
         if tag is not None:
             self.settle(tag, _RETURNED)
 
