@@ -145,13 +145,8 @@ class _Confirms:
         if not self.left and not self.settled.done():
             self.settled.set_result(None)
 
-    # What aiormq's channel calls on a confirmation (see _on_return_frame).
-    def done(self) -> bool:
-        return self.settled.done()
-
-    def cancelled(self) -> bool:
-        return False
-
+    # What aiormq's channel calls with a returned message (_on_return_frame);
+    # acks and nacks come through _settle_confirms.
     def set_exception(self, exc: BaseException) -> None:
         self.set_result(getattr(exc, "message", None))
 
