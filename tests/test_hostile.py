@@ -241,6 +241,24 @@ async def test_json_with_invalid_utf8_is_kept_dead_and_the_rest_goes_on(effects,
     assert "inbox.body" in error
 
 
+async def test_empty_body_is_kept_dead_and_the_rest_goes_on(effects, rabbit, inbox):
+    # A delivery with no content frame at all (body size 0) next to a
+    # multi-frame one (over the 128 KiB frame size) and a plain one.
+    inbox()
+    await rabbit.publish("t", b"", message_id="empty-1", type="Effect")
+    await rabbit.publish("t", orjson.dumps({"n": 1, "blob": "y" * 300_000}),
+                         message_id="frames-1", type="Effect")
+    await rabbit.publish("t", b'{"n": 2}', message_id="ok-2", type="Effect")
+    wait_until(lambda: sorted(effect_ids(effects)) == ["frames-1", "ok-2"])
+    [(status, body, error)] = rows(
+        effects, "SELECT status, body, last_error FROM inbox WHERE message_id = 'empty-1'")
+    assert (status, bytes(body)) == ("dead", b"")
+    assert "not valid JSON" in error
+    [(size,)] = rows(effects, "SELECT octet_length(payload ->> 'blob') FROM inbox "
+                              "WHERE message_id = 'frames-1'")
+    assert size == 300_000
+
+
 def _rss_kib(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -23,6 +23,8 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import ChannelFrame, DeliveredMessage
 from aiormq.channel import Returning
 from pamqp import commands as spec
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
 
 from relay.brokers.amqp_wire import publish_frames, shortstr
 from relay.brokers import (
@@ -186,6 +188,31 @@ def _settle_confirms(channel: aiormq.abc.AbstractChannel) -> None:
             settle(tag, confirmation, frame)
 
     channel._on_confirm_frame = on_confirm_frame  # type: ignore[method-assign]
+
+
+def _deliver_directly(
+    channel: aiormq.abc.AbstractChannel, deliver: Callable[[DeliveredMessage], None]
+) -> None:
+    """Hand each delivery of the channel (one consumer) to `deliver` from the
+    channel's frame reader, in order. aiormq makes a task of every delivery
+    to call the consumer's callback: a fifth of the receiver's CPU."""
+    get_frame = channel._get_frame  # type: ignore[attr-defined]
+
+    async def on_deliver_frame(frame: spec.Basic.Deliver) -> None:
+        header = await get_frame()
+        if not isinstance(header, ContentHeader):
+            raise ValueError(f"unexpected frame {header!r} instead of a content header")
+        parts, left = [], header.body_size or 0
+        while left > 0:
+            content = await get_frame()
+            if not isinstance(content, ContentBody):
+                raise ValueError(f"unexpected frame {content!r} instead of a content body")
+            parts.append(content.value)
+            left -= len(content.value)
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        deliver(DeliveredMessage(delivery=frame, header=header, body=body, channel=channel))
+
+    channel._on_deliver_frame = on_deliver_frame  # type: ignore[method-assign]
 
 
 class AmqpPublisher(_Client):
@@ -410,8 +437,12 @@ class AmqpConsumer(_Client):
 
             # Consumed on aiormq's channel: aio-pika would wrap each delivery
             # in an IncomingMessage and a task of its own, a fifth of the
-            # receiver's CPU, for fields read once here.
+            # receiver's CPU, for fields read once here. Deliveries skip
+            # aiormq's task per delivery too (_deliver_directly, set before
+            # consuming so that all take one path, in order); on_message is
+            # aiormq's own path, kept as the callback basic_consume wants.
             underlay = await channel.get_underlay_channel()
+            _deliver_directly(underlay, received.put_nowait)
             await underlay.basic_consume(queue.name, on_message)
             channel.close_callbacks.add(self._on_close)
         except _CONNECTION_ERRORS as exc:
