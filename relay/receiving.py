@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import orjson
 import psycopg
 
-from relay import logs
+from relay import logs, pg
 from relay.backoff import Backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming, make_consumer
 from relay.config import InboxSettings
@@ -155,8 +155,7 @@ class InboxWriter:
     (one statement, one round trip), opened on first use and after a break."""
 
     def __init__(self, database_url: str) -> None:
-        # The settings spell it postgresql+psycopg://, SQLAlchemy's form.
-        self.conninfo = "postgresql://" + database_url.partition("://")[2]
+        self.conninfo = pg.libpq_url(database_url)
         self._conn: psycopg.AsyncConnection[Any] | None = None
 
     async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
@@ -167,9 +166,7 @@ class InboxWriter:
         params = {"consumer": consumer, "rows": rows_json(batch)}
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = await psycopg.AsyncConnection.connect(
-                    self.conninfo, autocommit=True, connect_timeout=10,
-                    application_name="relay")
+                self._conn = await pg.connect(self.conninfo)
             cursor = await self._conn.execute(INSERT_INBOX, params)
             return {row[0] for row in await cursor.fetchall()}
         except psycopg.DataError as exc:

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from relay import schema
+from relay import pg, schema
 from relay.config import redact_url
 from relay.errors import DatabaseUnavailable
 from relay.rows import Failure, InboxRow, OutboxRow
@@ -407,9 +407,8 @@ class OutboxSession:
             # prepare_threshold=None: psycopg answers a ROLLBACK with
             # DEALLOCATE ALL once it has prepared statements of its own,
             # which would take ours along.
-            conn = await psycopg.AsyncConnection.connect(
-                self.conninfo, autocommit=True, connect_timeout=10,
-                application_name="relay", options=self.options, prepare_threshold=None)
+            conn = await pg.connect(self.conninfo, options=self.options,
+                                    prepare_threshold=None)
             try:
                 await conn.execute(
                     "PREPARE relay_claim(int, int, int) AS "
@@ -479,7 +478,7 @@ class Store:
             "pool_pre_ping": True,
             "pool_recycle": 3600,
             "connect_args": {
-                "connect_timeout": 10, "application_name": "relay",
+                "connect_timeout": pg.CONNECT_TIMEOUT, "application_name": pg.APPLICATION_NAME,
                 "options": " ".join(self.session_options),
             },
         }
@@ -681,9 +680,7 @@ class Listener:
         delay = 0.5
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(
-                    self.conninfo, autocommit=True, connect_timeout=10
-                ) as conn:
+                async with await pg.connect(self.conninfo) as conn:
                     await conn.execute(f"LISTEN {self.channel}")  # a constant, never input
                     self.connected.set()
                     delay = 0.5

@@ -110,6 +110,23 @@ async def test_notify_publishes_a_new_row_without_waiting_for_the_poll(
     assert message.body == b'{"n":1}'
 
 
+async def test_the_listen_connection_shows_as_relay_like_the_others(
+    engine, rabbit, start_relay
+):
+    # An operator, or a drill that ends relay's backends, finds every
+    # connection of the daemon by application_name: the pooled ones, the
+    # workers' sessions and the LISTEN connection.
+    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "60")
+    daemon.wait_for_log("outbox relay started")
+
+    def listening() -> list[tuple[str]]:
+        return rows(engine, "SELECT application_name FROM pg_stat_activity "
+                            "WHERE datname = current_database() AND query = 'LISTEN relay_outbox'")
+
+    wait_until(listening, message="the LISTEN connection")
+    assert listening() == [("relay",)]
+
+
 async def test_unroutable_topic_fails_with_backoff_then_dies(engine, rabbit, run_relay):
     with engine.begin() as conn:
         relay.enqueue(conn, "no.binding", {"x": 1})
