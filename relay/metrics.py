@@ -16,6 +16,7 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_inbox_processed_total | counter | rows handled successfully |
 | relay_inbox_failed_total | counter | failed handler runs (retried or dead) |
 | relay_inbox_dead_total | counter | rows that became dead (handler, unknown type, bad body) |
+| relay_inbox_handler_reruns_total | counter | handler runs rolled back, to run again, when a later one of their batch failed |
 | relay_inbox_deleted_total | counter | processed rows deleted by retention |
 | relay_inbox_pending | gauge | pending rows in the table |
 | relay_inbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
@@ -90,6 +91,11 @@ class InboxMetrics:
         self.processed = Counter("relay_inbox_processed", "Inbox rows handled", registry=r)
         self.failed = Counter("relay_inbox_failed", "Failed handler runs", registry=r)
         self.dead = Counter("relay_inbox_dead", "Inbox rows that became dead", registry=r)
+        self.reruns = Counter(
+            "relay_inbox_handler_reruns",
+            "Handler runs rolled back, to run again, when a later one of their batch failed",
+            registry=r,
+        )
         self.deleted = Counter(
             "relay_inbox_deleted", "Processed inbox rows deleted by retention", registry=r
         )

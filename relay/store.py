@@ -268,15 +268,20 @@ RETURNING status
 """)
 LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :timeout, true)")
 
-# Each handler of a batch runs in a savepoint of the batch's transaction.
-# Set on the driver connection, a savepoint is left open into the next
-# handler's turn, and moving it on (RELEASE, then SAVEPOINT again) is one
-# round trip of one simple-protocol query: SQLAlchemy's begin_nested takes
-# two, and with its statement overhead cost three times what a one-INSERT
-# handler costs. COMMIT ends whatever savepoint is still open.
+# A batch's handlers run under one savepoint of the batch's transaction
+# (relay_batch) or, once one failed, each under one of its own
+# (relay_handler): see Dispatcher._run_handlers. Set on the driver
+# connection, a savepoint is left open into the next turn, and moving it on
+# (RELEASE, then SAVEPOINT again) is one round trip of one simple-protocol
+# query: SQLAlchemy's begin_nested takes two, and with its statement overhead
+# cost three times what a one-INSERT handler costs. COMMIT ends whatever
+# savepoint is still open.
 HANDLER_SAVEPOINT = "SAVEPOINT relay_handler"
 NEXT_HANDLER_SAVEPOINT = "RELEASE SAVEPOINT relay_handler; SAVEPOINT relay_handler"
 UNDO_HANDLER = "ROLLBACK TO SAVEPOINT relay_handler"
+BATCH_SAVEPOINT = "SAVEPOINT relay_batch"
+NEXT_BATCH_SAVEPOINT = "RELEASE SAVEPOINT relay_batch; SAVEPOINT relay_batch"
+UNDO_BATCH = "ROLLBACK TO SAVEPOINT relay_batch"
 
 
 def _is_disconnect(exc: BaseException) -> bool:
@@ -288,7 +293,8 @@ def _is_disconnect(exc: BaseException) -> bool:
 
 
 class HandlerSavepoints:
-    """A savepoint around each handler run of one batch's transaction.
+    """The savepoints of one batch's transaction: one for many handlers, or
+    one around each handler run.
 
     The commands go straight to libpq (PQexec, which lets go of the GIL while
     it waits): through a psycopg cursor each would cost about twice the
@@ -308,6 +314,22 @@ class HandlerSavepoints:
     def undo_handler(self) -> None:
         """Roll back the writes of the handler run since before_handler()."""
         self._exec(UNDO_HANDLER)
+
+    def begin_batch(self) -> None:
+        """One savepoint for the handlers to come, not one each."""
+        self._exec(BATCH_SAVEPOINT)
+
+    def move_batch(self) -> None:
+        """Keep what the handlers wrote since begin_batch() (or the last move)."""
+        self._exec(NEXT_BATCH_SAVEPOINT)
+
+    def undo_batch(self) -> None:
+        """Roll back what the handlers wrote since the batch's savepoint was set."""
+        self._exec(UNDO_BATCH)
+
+    def aborted(self) -> bool:
+        """Did a statement fail in the transaction (no round trip)?"""
+        return self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR
 
     def _exec(self, command: str) -> None:
         result = self._pgconn.exec_(command.encode())

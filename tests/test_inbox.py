@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import signal
 import time
 import uuid
@@ -14,7 +15,10 @@ import pytest
 import sqlalchemy as sa
 
 import relay
-from relay.inbox import DISPATCHERS, PACE_BATCHES
+from relay.config import InboxSettings
+from relay.inbox import DISPATCHERS, PACE_BATCHES, Dispatcher
+from relay.metrics import InboxMetrics
+from relay.store import Store
 from tests.conftest import (
     HANDLERS,
     MIXED_HANDLERS,
@@ -23,7 +27,6 @@ from tests.conftest import (
     rows,
     wait_until,
 )
-
 
 
 def inbox_rows(engine):
@@ -118,13 +121,13 @@ async def test_fail_then_succeed_retries_with_backoff(
 
 
 @BOTH_PATHS
-async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_once(
+async def test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes(
     effects, rabbit, inbox, handlers, flaky, effect
 ):
     # Rows already stored before the daemon starts are claimed as one batch:
-    # a failure in its middle rolls back only its own writes, and no other
-    # handler of the batch runs twice. Their keys are all in the share of
-    # one dispatcher (the daemon's dispatchers split the keys by hash).
+    # a failure in its middle rolls back only its own writes. Their keys are
+    # all in the share of one dispatcher (the daemon's dispatchers split the
+    # keys by hash).
     consumer = f"{rabbit.exchange}.in"
     k = one_dispatchers_keys(effects, 12)
     planned = [(f"e{i}", k[i], "Logs", {"n": i}) for i in range(5)]
@@ -147,8 +150,12 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
     # Every handler's writes landed exactly once, the failed run's not at all.
     expected = sorted(m for m, _, t, _ in planned if t in (effect, "Logs", flaky))
     assert sorted(effect_ids(effects)) == expected
-    # Each "Logs" handler ran once: the failure after them did not run them again.
-    assert daemon.log.count("handling") == 5
+    # The "Logs" handlers before the failure ran again after the batch's roll
+    # back, unless a checkpoint (CHECKPOINT_EVERY) fell between: once or twice
+    # each, never more (the exact runs: test_handler_runs_of_one_batch_*).
+    runs = [line for line in daemon.log.splitlines() if "handling" in line]
+    for i in range(5):
+        assert len([r for r in runs if re.search(rf"message_id=e{i}\b", r)]) in (1, 2), runs
     # The failure was counted once; the row succeeded on its retry.
     assert state["flaky"][:2] == ("processed", 1)
     assert state["unknown"][:2] == ("dead", 1)
@@ -159,6 +166,130 @@ async def test_a_failing_handler_mid_batch_leaves_the_rest_of_the_batch_handled_
     # ... and the row behind the failed one waited for it, untouched.
     assert state["after-flaky"][:2] == ("processed", 0)
     assert state["after-flaky"][2] >= state["flaky"][2] > first_batch.pop()
+
+
+# One batch of a Dispatcher in this process, on the test's database: which
+# handlers ran, how often and in what order (a daemon's process cannot say).
+
+_INSERT_EFFECT = sa.text("INSERT INTO effects (message_id) VALUES (:m)")
+
+
+def recording_registry(ran: list[str]) -> relay.HandlerRegistry:
+    registry = relay.HandlerRegistry()
+
+    @registry.handler("Record")
+    def record(message: relay.Message, conn: sa.Connection) -> None:
+        ran.append(message.id)
+        conn.execute(_INSERT_EFFECT, {"m": message.id})
+
+    @registry.handler("Fail")
+    def fail(message: relay.Message, conn: sa.Connection) -> None:
+        ran.append(message.id)
+        conn.execute(_INSERT_EFFECT, {"m": message.id})
+        raise RuntimeError("fails after writing")
+
+    @registry.handler("Swallow")
+    def swallow(message: relay.Message, conn: sa.Connection) -> None:
+        ran.append(message.id)
+        conn.execute(_INSERT_EFFECT, {"m": message.id})
+        try:
+            conn.execute(sa.text("SELECT 1 / 0"))
+        except sa.exc.DBAPIError:
+            pass  # and returns as if all went well
+
+    return registry
+
+
+async def one_batch(
+    engine: sa.Engine, database: str, planned: list[tuple[str, str, str | None, int]],
+    *, sync: bool = True,
+) -> tuple[list[str], float | None, dict[str, tuple[str, int, str | None]]]:
+    """Store `planned` rows (message_id, type, key, attempts) and run one batch;
+    returns the handler runs in order, the reruns counted, and each
+    row's (status, attempts, last_error)."""
+    with engine.begin() as conn:
+        for message_id, type_, key, attempts in planned:
+            conn.execute(sa.text(
+                "INSERT INTO inbox (consumer, message_id, topic, key, type, payload, attempts) "
+                "VALUES ('q', :m, 't', :k, :t, '{}', :a)"),
+                {"m": message_id, "k": key, "t": type_, "a": attempts})
+    ran: list[str] = []
+    settings = InboxSettings(database_url=database, queue="q", backoff_min=30, backoff_max=60)
+    metrics = InboxMetrics()
+    store = Store(database, sync=sync)
+    try:
+        dispatcher = Dispatcher(settings, store, recording_registry(ran), metrics)
+        await dispatcher.dispatch_batch()
+    finally:
+        await store.close()
+    state = {m: (status, attempts, error) for m, status, attempts, error in rows(
+        engine, "SELECT message_id, status, attempts, last_error FROM inbox")}
+    return ran, metrics.registry.get_sample_value("relay_inbox_handler_reruns_total"), state
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync-engine", "async-engine"])
+async def test_handler_runs_of_one_batch_a_first_failure_runs_those_before_it_again(
+    effects, database, monkeypatch, sync
+):
+    monkeypatch.setattr("relay.inbox.CHECKPOINT_EVERY", 3600.0)  # no checkpoint here
+    ran, reruns, state = await one_batch(effects, database, [
+        ("a", "Record", None, 0), ("b", "Record", "k", 0), ("f", "Fail", "k", 0),
+        ("g", "Record", "k", 0), ("c", "Record", None, 0)], sync=sync)
+    # The batch's one savepoint rolled back at f's failure, and the batch ran
+    # on from its start, a savepoint per handler: a and b again, f not (its
+    # failure is recorded), g waits behind f's key.
+    assert ran == ["a", "b", "f", "a", "b", "c"]
+    assert reruns == 2
+    assert sorted(effect_ids(effects)) == ["a", "b", "c"]
+    assert {m: v[:2] for m, v in state.items()} == {
+        "a": ("processed", 0), "b": ("processed", 0), "f": ("pending", 1),
+        "g": ("pending", 0), "c": ("processed", 0)}
+    assert "RuntimeError: fails after writing" in state["f"][2]
+
+
+async def test_handler_runs_of_one_batch_rows_that_failed_before_run_each_in_its_own_savepoint(
+    effects, database
+):
+    ran, reruns, state = await one_batch(effects, database, [
+        ("a", "Record", None, 0), ("f", "Fail", None, 1), ("c", "Record", None, 0)])
+    assert ran == ["a", "f", "c"]  # nothing ran twice
+    assert reruns == 0
+    assert sorted(effect_ids(effects)) == ["a", "c"]
+    assert state["f"][:2] == ("pending", 2)
+
+
+async def test_handler_runs_of_one_batch_a_failure_goes_back_only_to_the_last_checkpoint(
+    effects, database, monkeypatch
+):
+    # The batch's savepoint moves on before every handler here (as it does
+    # every CHECKPOINT_EVERY seconds): f's failure undoes only its own run.
+    monkeypatch.setattr("relay.inbox.CHECKPOINT_EVERY", -1.0)
+    ran, reruns, state = await one_batch(effects, database, [
+        ("a", "Record", None, 0), ("f", "Fail", "k", 0), ("g", "Record", "k", 0),
+        ("c", "Record", None, 0)])
+    assert ran == ["a", "f", "c"]
+    assert reruns == 0  # f's own run rolled back, nobody else's
+    assert sorted(effect_ids(effects)) == ["a", "c"]
+    assert {m: v[:2] for m, v in state.items()} == {
+        "a": ("processed", 0), "f": ("pending", 1), "g": ("pending", 0),
+        "c": ("processed", 0)}
+
+
+@pytest.mark.parametrize("attempts", [0, 1], ids=["first-run", "after-a-failure"])
+async def test_a_handler_that_swallows_a_database_error_fails_its_row_only(
+    effects, database, attempts
+):
+    # A caught database error leaves the transaction aborted: the handler's
+    # run counts as failed (its writes roll back), its neighbours' stay.
+    ran, reruns, state = await one_batch(effects, database, [
+        ("a", "Record", None, 0), ("s", "Swallow", None, attempts), ("c", "Record", None, 0)])
+    assert sorted(effect_ids(effects)) == ["a", "c"]
+    assert state["a"][:2] == state["c"][:2] == ("processed", 0)
+    status, tries, error = state["s"]
+    assert (status, tries) == ("pending", attempts + 1)
+    assert "left its transaction aborted" in error
+    assert ran == (["a", "s", "a", "c"] if attempts == 0 else ["a", "s", "c"])
+    assert reruns == (1 if attempts == 0 else 0)
 
 
 async def test_receiver_stores_at_most_two_batches_per_dispatcher_ahead_of_slow_handlers(
