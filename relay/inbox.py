@@ -240,7 +240,7 @@ class Dispatcher:
         failed_keys: set[str] = set()
         known: dict[int, Failure] = {}  # failures rolled back, by position in rows
         if not careful:
-            savepoints.begin_batch()
+            savepoints.batch.set()
             checkpoint: tuple[int, int, int, set[str]] = (0, 0, 0, set())
             since = time.monotonic()
         at = 0
@@ -259,9 +259,9 @@ class Dispatcher:
             else:
                 now = time.monotonic()
                 if careful:
-                    savepoints.before_handler()
+                    savepoints.handler.set()
                 elif now - since > CHECKPOINT_EVERY:
-                    savepoints.move_batch()
+                    savepoints.batch.set()
                     checkpoint = (position, len(processed), len(failed), set(failed_keys))
                     since = now
                 self.in_hand = (row, now, pid)
@@ -274,13 +274,13 @@ class Dispatcher:
                 if failure is not None:
                     if not careful:  # back to the checkpoint, and on from there carefully
                         known[position] = failure
-                        savepoints.undo_batch()
+                        savepoints.batch.undo()
                         careful = True
                         at, kept_processed, kept_failed, failed_keys = checkpoint
                         self.metrics.reruns.inc(len(processed) - kept_processed)
                         del processed[kept_processed:], failed[kept_failed:]
                         continue
-                    savepoints.undo_handler()
+                    savepoints.handler.undo()
             if failure is None:
                 processed.append(row.message_id)
                 continue

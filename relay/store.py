@@ -268,21 +268,6 @@ RETURNING status
 """)
 LOCK_TIMEOUT = sa.text("SELECT set_config('lock_timeout', :timeout, true)")
 
-# A batch's handlers run under one savepoint of the batch's transaction
-# (relay_batch) or, once one failed, each under one of its own
-# (relay_handler): see Dispatcher._run_handlers. Set on the driver
-# connection, a savepoint is left open into the next turn, and moving it on
-# (RELEASE, then SAVEPOINT again) is one round trip of one simple-protocol
-# query: SQLAlchemy's begin_nested takes two, and with its statement overhead
-# cost three times what a one-INSERT handler costs. COMMIT ends whatever
-# savepoint is still open.
-HANDLER_SAVEPOINT = "SAVEPOINT relay_handler"
-NEXT_HANDLER_SAVEPOINT = "RELEASE SAVEPOINT relay_handler; SAVEPOINT relay_handler"
-UNDO_HANDLER = "ROLLBACK TO SAVEPOINT relay_handler"
-BATCH_SAVEPOINT = "SAVEPOINT relay_batch"
-NEXT_BATCH_SAVEPOINT = "RELEASE SAVEPOINT relay_batch; SAVEPOINT relay_batch"
-UNDO_BATCH = "ROLLBACK TO SAVEPOINT relay_batch"
-
 
 def _is_disconnect(exc: BaseException) -> bool:
     if isinstance(exc, sa_exc.DBAPIError):
@@ -292,44 +277,32 @@ def _is_disconnect(exc: BaseException) -> bool:
     return isinstance(exc, (psycopg.OperationalError, OSError, sa_exc.InterfaceError))
 
 
-class HandlerSavepoints:
-    """The savepoints of one batch's transaction: one for many handlers, or
-    one around each handler run.
+class Savepoint:
+    """One named savepoint of a transaction, set and rolled back through libpq.
 
-    The commands go straight to libpq (PQexec, which lets go of the GIL while
-    it waits): through a psycopg cursor each would cost about twice the
-    client CPU. It is the connection of a sync Connection: psycopg's own on
-    the sync engine; on the async engine (inside run_sync) that of the
-    dispatcher's event loop, which is idle while a handler's batch runs."""
+    Set on the driver connection, it is left open into the next set(), and
+    moving it on (RELEASE, then SAVEPOINT again) is one round trip of one
+    simple-protocol query: SQLAlchemy's begin_nested takes two, and with its
+    statement overhead cost three times what a one-INSERT handler costs.
+    COMMIT ends whatever savepoint is still open. The commands go straight to
+    libpq (PQexec, which lets go of the GIL while it waits): through a
+    psycopg cursor each would cost about twice the client CPU."""
 
-    def __init__(self, driver_connection: Any) -> None:
-        self._pgconn = driver_connection.pgconn
+    def __init__(self, pgconn: Any, name: str) -> None:
+        self._pgconn = pgconn
+        self._set = f"SAVEPOINT {name}"
+        self._move = f"RELEASE SAVEPOINT {name}; SAVEPOINT {name}"
+        self._undo = f"ROLLBACK TO SAVEPOINT {name}"
         self._open = False
 
-    def before_handler(self) -> None:
+    def set(self) -> None:
         """A fresh savepoint: what ran before it stays, whatever runs next."""
-        self._exec(NEXT_HANDLER_SAVEPOINT if self._open else HANDLER_SAVEPOINT)
+        self._exec(self._move if self._open else self._set)
         self._open = True
 
-    def undo_handler(self) -> None:
-        """Roll back the writes of the handler run since before_handler()."""
-        self._exec(UNDO_HANDLER)
-
-    def begin_batch(self) -> None:
-        """One savepoint for the handlers to come, not one each."""
-        self._exec(BATCH_SAVEPOINT)
-
-    def move_batch(self) -> None:
-        """Keep what the handlers wrote since begin_batch() (or the last move)."""
-        self._exec(NEXT_BATCH_SAVEPOINT)
-
-    def undo_batch(self) -> None:
-        """Roll back what the handlers wrote since the batch's savepoint was set."""
-        self._exec(UNDO_BATCH)
-
-    def aborted(self) -> bool:
-        """Did a statement fail in the transaction (no round trip)?"""
-        return self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR
+    def undo(self) -> None:
+        """Roll back what ran since the last set()."""
+        self._exec(self._undo)
 
     def _exec(self, command: str) -> None:
         result = self._pgconn.exec_(command.encode())
@@ -339,6 +312,24 @@ class HandlerSavepoints:
         if self._pgconn.status == psycopg.pq.ConnStatus.BAD:
             raise DatabaseUnavailable(f"OperationalError: {message.strip()}")
         raise psycopg.DatabaseError(f"{command}: {message.strip()}")
+
+
+class HandlerSavepoints:
+    """The savepoints of one batch's transaction (see Dispatcher._run_handlers):
+    `batch` for many handlers at once, `handler` around one handler run.
+
+    They are set on the connection of a sync Connection: psycopg's own on
+    the sync engine; on the async engine (inside run_sync) that of the
+    dispatcher's event loop, which is idle while a handler's batch runs."""
+
+    def __init__(self, driver_connection: Any) -> None:
+        self._pgconn = driver_connection.pgconn
+        self.batch = Savepoint(self._pgconn, "relay_batch")
+        self.handler = Savepoint(self._pgconn, "relay_handler")
+
+    def aborted(self) -> bool:
+        """Did a statement fail in the transaction (no round trip)?"""
+        return self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR
 
 
 class OutboxSession:
