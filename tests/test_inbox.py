@@ -46,6 +46,17 @@ def one_dispatchers_keys(engine, count):
         workers=DISPATCHERS, count=count)]
 
 
+def store_rows(engine, consumer, planned):
+    """Inbox rows as the receiver stores them, pending, before a dispatcher
+    claims them: (message_id, key, type, payload, attempts)."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "INSERT INTO inbox (consumer, message_id, topic, key, type, payload, attempts) "
+            "VALUES (:c, :m, 't', :k, :t, CAST(:p AS jsonb), :a)"),
+            [{"c": consumer, "m": m, "k": key, "t": t, "p": orjson.dumps(p).decode(), "a": a}
+             for m, key, t, p, a in planned])
+
+
 async def publish(rabbit, routing_key="orders.placed", body=b'{"n": 1}', **props):
     await rabbit.publish(routing_key, body, **props)
 
@@ -135,13 +146,7 @@ async def test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes(
                 ("after-flaky", k[10], effect, {"n": 100}),  # waits for its key
                 ("unknown", k[11], "NobodyHandlesThis", {"n": 101})]
     planned += [(f"e{i}", k[i], effect, {"n": i}) for i in range(5, 10)]
-    with effects.begin() as conn:
-        for message_id, key, type_, payload in planned:
-            conn.execute(sa.text(
-                "INSERT INTO inbox (consumer, message_id, topic, key, type, payload) "
-                "VALUES (:c, :m, 't', :k, :t, CAST(:p AS jsonb))"),
-                {"c": consumer, "m": message_id, "k": key, "t": type_,
-                 "p": orjson.dumps(payload).decode()})
+    store_rows(effects, consumer, [(m, key, t, p, 0) for m, key, t, p in planned])
     daemon = inbox(handlers=handlers)
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status <> 'pending'"))
                == len(planned))
@@ -207,12 +212,7 @@ async def one_batch(
     """Store `planned` rows (message_id, type, key, attempts) and run one batch;
     returns the handler runs in order, the reruns counted, and each
     row's (status, attempts, last_error)."""
-    with engine.begin() as conn:
-        for message_id, type_, key, attempts in planned:
-            conn.execute(sa.text(
-                "INSERT INTO inbox (consumer, message_id, topic, key, type, payload, attempts) "
-                "VALUES ('q', :m, 't', :k, :t, '{}', :a)"),
-                {"m": message_id, "k": key, "t": type_, "a": attempts})
+    store_rows(engine, "q", [(m, key, t, {}, a) for m, t, key, a in planned])
     ran: list[str] = []
     settings = InboxSettings(database_url=database, queue="q", backoff_min=30, backoff_max=60)
     metrics = InboxMetrics()
