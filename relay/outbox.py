@@ -51,18 +51,34 @@ class OutboxRelay:
         self.metrics = metrics or OutboxMetrics()
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
         self.reconnect = Backoff(0.5, 30.0)
-        self._wakeups: list[asyncio.Event] = []
+        self._wakeups: dict[int, asyncio.Event] = {}  # by worker
+        self._idle: set[int] = set()  # workers waiting for a notification
+        self._scouts: set[int] = set()  # woken to claim every key's rows
         self._sessions: dict[int, OutboxSession] = {}
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
 
     def wake(self) -> None:
-        for event in self._wakeups:
-            event.set()
+        """Rows were committed (a notification). Each busy worker claims
+        again after its batch; of the idle ones, one claims the due rows of
+        every key (a scout) and the rest sleep on, so a quiet relay answers
+        a notification with one claim rather than one per worker."""
+        scout = min(self._idle, default=None)
+        if scout is not None:
+            self._scouts.add(scout)
+        for worker, event in self._wakeups.items():
+            if worker == scout or worker not in self._idle:
+                event.set()
+
+    def _wake_idle(self) -> None:
+        """A batch came back full: more rows wait, the idle workers help."""
+        for worker in self._idle:
+            self._wakeups[worker].set()
 
     def stop(self) -> None:
         self.stopping.set()
-        self.wake()
+        for event in self._wakeups.values():
+            event.set()
 
     async def close(self) -> None:
         """Close the workers' connections (after run() has returned)."""
@@ -70,8 +86,12 @@ class OutboxRelay:
         for session in sessions:
             await session.close()
 
-    async def publish_batch(self, worker: int = 0, workers: int = 1) -> tuple[int, int]:
-        """Claim, publish and mark one batch.
+    async def publish_batch(
+        self, worker: int = 0, workers: int = 1, *, every_key: bool = False
+    ) -> tuple[int, int]:
+        """Claim, publish and mark one batch: the rows of `worker`'s share of
+        the keys (of `workers` shares), or with every_key those of all keys,
+        on the worker's own connection.
 
         Returns how many rows it published or failed, and how many it left
         for the worker that holds an earlier row of their key."""
@@ -80,7 +100,8 @@ class OutboxRelay:
         if session is None:
             session = self._sessions[worker] = self.store.outbox_session(s.on_dead)
         try:
-            rows, blocked = await session.claim(s.batch_size, worker, workers)
+            share = (0, 1) if every_key else (worker, workers)
+            rows, blocked = await session.claim(s.batch_size, *share)
             if not rows:
                 await session.finish(())
                 return 0, blocked
@@ -142,31 +163,46 @@ class OutboxRelay:
                 await self._pause(exc, failures)
 
     async def _worker(self, worker: int, once: bool) -> None:
-        wakeup = asyncio.Event()
-        self._wakeups.append(wakeup)
+        wakeup = self._wakeups[worker] = asyncio.Event()
         failures = 0
         while not self.stopping.is_set():
             # Cleared before the claim, so a NOTIFY that lands during it
             # makes the idle wait below return at once.
             wakeup.clear()
             try:
-                done, blocked = await self.publish_batch(worker, WORKERS)
+                # A scout claims every key's rows: it stands in for the idle
+                # workers, whose shares of the keys it covers.
+                done, blocked = await self.publish_batch(
+                    worker, WORKERS, every_key=worker in self._scouts)
                 failures = 0
             except Unavailable as exc:
                 failures += 1
                 await self._pause(exc, failures)
                 continue
             self.last_progress = time.monotonic()
-            if done:
-                continue
             if blocked:
-                # Another relay holds the head of these keys; it commits in
-                # milliseconds, and nothing will notify us when it does.
-                await asyncio.sleep(BLOCKED_RETRY)
+                # Another worker or relay holds the head of these keys; it
+                # commits in milliseconds, and nothing will notify us when it
+                # does: the same claim again (shortly, if this one found
+                # nothing to publish).
+                if not done:
+                    await asyncio.sleep(BLOCKED_RETRY)
+                continue
+            self._scouts.discard(worker)
+            if done >= self.settings.batch_size:
+                self._wake_idle()
                 continue
             if once:
+                if done:
+                    continue
                 return
-            await self._wait(wakeup, self.settings.poll_interval)
+            # A batch that was not full took every row due then; rows
+            # committed since have notified (and set wakeup).
+            self._idle.add(worker)
+            try:
+                await self._wait(wakeup, self.settings.poll_interval)
+            finally:
+                self._idle.discard(worker)
 
     async def _wait(self, event: asyncio.Event, timeout: float) -> None:
         try:

@@ -14,11 +14,13 @@ import pytest
 import sqlalchemy as sa
 
 import relay
+from relay.brokers import make_publisher
+from relay.config import BrokerURL, OutboxSettings
 from relay.errors import DatabaseUnavailable
-from relay.outbox import WORKERS
+from relay.outbox import WORKERS, OutboxRelay
 from relay.rows import Failure
-from relay.store import Store
-from tests.conftest import insert_outbox, rows, wait_until
+from relay.store import NOTIFY_OUTBOX, Listener, OutboxSession, Store
+from tests.conftest import AMQP_URL, insert_outbox, rows, wait_until
 
 
 async def test_once_publishes_with_the_contract_wire_format(engine, rabbit, run_relay):
@@ -108,6 +110,102 @@ async def test_notify_publishes_a_new_row_without_waiting_for_the_poll(
     [message] = await rabbit.drain(queue, 1, timeout=5)
     assert time.monotonic() - started < 5  # the poll would take 60 s
     assert message.body == b'{"n":1}'
+
+
+class QuietRelay:
+    """relay's outbox loop and listener in this process, on the real servers,
+    with a 60 s poll: what it publishes, it publishes because of a
+    notification. `claims` records the share of every claim it makes:
+    (worker, WORKERS) for a worker's share of the keys, (0, 1) for every key."""
+
+    def __init__(self, database: str, exchange: str, monkeypatch: pytest.MonkeyPatch,
+                 **settings: object) -> None:
+        self.claims: list[tuple[int, int]] = []
+        claim = OutboxSession.claim
+
+        async def recorded(session: OutboxSession, limit: int, worker: int = 0,
+                           workers: int = 1) -> tuple[list[relay.rows.OutboxRow], int]:
+            self.claims.append((worker, workers))
+            return await claim(session, limit, worker, workers)
+
+        monkeypatch.setattr(OutboxSession, "claim", recorded)
+        config = OutboxSettings(database_url=database, broker=BrokerURL.parse(AMQP_URL),
+                                exchange=exchange, poll_interval=60, **settings)
+        self.store = Store(database)
+        self.publisher = make_publisher(config.broker, exchange=exchange)
+        self.relay = OutboxRelay(config, self.store, self.publisher)
+        self.listener = Listener(self.store.conninfo, NOTIFY_OUTBOX, self.relay.wake)
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> QuietRelay:
+        self.tasks = [asyncio.create_task(self.relay.run()),
+                      asyncio.create_task(self.listener.run())]
+        await self.settled()
+        return self
+
+    async def settled(self) -> None:
+        """Wait until the listener is up and every worker sleeps."""
+        deadline = time.monotonic() + 10
+        while not (self.listener.connected.is_set() and len(self.relay._idle) == WORKERS):
+            assert time.monotonic() < deadline, "the relay did not settle"
+            for task in self.tasks:
+                if task.done():
+                    task.result()
+            await asyncio.sleep(0.01)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.relay.stop()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.relay.close()
+        await self.publisher.close()
+        await self.store.close()
+
+
+def keys_of_every_share(engine: sa.Engine) -> list[str]:
+    """One key for each worker's share, as the claim hashes them."""
+    shares = dict(rows(engine, "SELECT DISTINCT ON (share) share, key FROM ("
+                               "SELECT (hashtext(k) & 2147483647) % :workers AS share, k AS key "
+                               "FROM (SELECT 'key-' || i AS k FROM generate_series(1, 100) i) s) t",
+                       workers=WORKERS))
+    assert sorted(shares) == list(range(WORKERS))
+    return list(shares.values())
+
+
+async def test_a_quiet_relay_answers_a_notification_with_one_claim(
+    engine, database, rabbit, monkeypatch
+):
+    queue = await rabbit.queue("quiet.#")
+    async with QuietRelay(database, rabbit.exchange, monkeypatch) as quiet:
+        quiet.claims.clear()
+        keys = [*keys_of_every_share(engine), None]
+        for n, key in enumerate(keys):
+            with engine.begin() as conn:
+                relay.enqueue(conn, f"quiet.{n}", {"n": n}, key=key)
+            [message] = await rabbit.drain(queue, 1, timeout=5)  # the poll would take 60 s
+            assert orjson.loads(message.body) == {"n": n}
+            await quiet.settled()
+        # One idle worker claimed each row, whatever share its key is in;
+        # the others slept on (with a claim each, and one more by the worker
+        # that published, this was 5 claims a row).
+        assert quiet.claims == [(0, 1)] * len(keys)
+
+
+async def test_a_full_batch_wakes_the_sleeping_workers_to_help(
+    engine, database, rabbit, monkeypatch
+):
+    queue = await rabbit.queue("burst")
+    async with QuietRelay(database, rabbit.exchange, monkeypatch, batch_size=10) as quiet:
+        quiet.claims.clear()
+        insert_outbox(engine, 200, topic="burst")
+        assert len(await rabbit.drain(queue, 200, timeout=10)) == 200
+        await quiet.settled()
+    # The scout's full batch woke the rest, each to claim its own share.
+    assert quiet.claims[0] == (0, 1)
+    assert {worker for worker, workers in quiet.claims if workers == WORKERS} == set(
+        range(WORKERS))
+    assert rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'") == [(200,)]
 
 
 async def test_the_listen_connection_shows_as_relay_like_the_others(
