@@ -183,8 +183,12 @@ class OutboxRelay:
             if blocked:
                 # Another worker or relay holds the head of these keys; it
                 # commits in milliseconds, and nothing will notify us when it
-                # does: the same claim again (shortly, if this one found
-                # nothing to publish).
+                # does: claim again (shortly, if this found nothing to
+                # publish). A scout hands the keys back to their workers,
+                # each to claim its own share, as the owners of those keys.
+                if worker in self._scouts:
+                    self._scouts.discard(worker)
+                    self._wake_idle()
                 if not done:
                     await asyncio.sleep(BLOCKED_RETRY)
                 continue

@@ -119,7 +119,8 @@ class QuietRelay:
     (worker, WORKERS) for a worker's share of the keys, (0, 1) for every key."""
 
     def __init__(self, database: str, exchange: str, monkeypatch: pytest.MonkeyPatch,
-                 **settings: object) -> None:
+                 listen: bool = True, **settings: object) -> None:
+        self.listen = listen
         self.claims: list[tuple[int, int]] = []
         claim = OutboxSession.claim
 
@@ -138,15 +139,18 @@ class QuietRelay:
         self.tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> QuietRelay:
-        self.tasks = [asyncio.create_task(self.relay.run()),
-                      asyncio.create_task(self.listener.run())]
+        self.tasks = [asyncio.create_task(self.relay.run())]
+        if self.listen:
+            self.tasks.append(asyncio.create_task(self.listener.run()))
         await self.settled()
         return self
 
     async def settled(self) -> None:
-        """Wait until the listener is up and every worker sleeps."""
+        """Wait until the listener is up and every worker sleeps, none woken."""
         deadline = time.monotonic() + 10
-        while not (self.listener.connected.is_set() and len(self.relay._idle) == WORKERS):
+        while not ((self.listener.connected.is_set() or not self.listen)
+                   and len(self.relay._idle) == WORKERS
+                   and not any(event.is_set() for event in self.relay._wakeups.values())):
             assert time.monotonic() < deadline, "the relay did not settle"
             for task in self.tasks:
                 if task.done():
@@ -206,6 +210,34 @@ async def test_a_full_batch_wakes_the_sleeping_workers_to_help(
     assert {worker for worker, workers in quiet.claims if workers == WORKERS} == set(
         range(WORKERS))
     assert rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'") == [(200,)]
+
+
+async def test_a_key_held_by_another_relay_goes_back_to_its_own_worker(
+    engine, database, rabbit, monkeypatch
+):
+    queue = await rabbit.queue("held")
+    key = keys_of_every_share(engine)[1]  # not the scout's own share
+    async with QuietRelay(database, rabbit.exchange, monkeypatch, listen=False) as quiet:
+        with engine.begin() as conn:
+            first = relay.enqueue(conn, "held", {"n": 1}, key=key)
+            second = relay.enqueue(conn, "held", {"n": 2}, key=key)
+        with engine.connect() as other:  # another relay, holding the key's head
+            other.execute(sa.text("SELECT 1 FROM outbox WHERE id = :id FOR UPDATE"),
+                          {"id": first})
+            quiet.claims.clear()
+            quiet.relay.wake()  # the notification of the commit above
+            await asyncio.sleep(0.3)
+            # The scout found the second row blocked and handed the keys back:
+            # the key's own worker retries its share, the scout no longer
+            # claims every key.
+            assert quiet.claims[0] == (0, 1)
+            assert (0, 1) not in quiet.claims[1:]
+            assert quiet.claims.count((1, WORKERS)) > 3
+            other.execute(sa.text("UPDATE outbox SET status = 'published' WHERE id = :id"),
+                          {"id": first})
+            other.commit()
+        [message] = await rabbit.drain(queue, 1, timeout=5)  # the poll would take 60 s
+        assert message.message_id == str(second)
 
 
 async def test_the_listen_connection_shows_as_relay_like_the_others(
