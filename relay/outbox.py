@@ -169,30 +169,29 @@ class OutboxRelay:
             # Cleared before the claim, so a NOTIFY that lands during it
             # makes the idle wait below return at once.
             wakeup.clear()
+            # A scout claims every key's rows: it stands in for the idle
+            # workers, whose shares of the keys it covers, for one claim.
+            scout = worker in self._scouts
             try:
-                # A scout claims every key's rows: it stands in for the idle
-                # workers, whose shares of the keys it covers.
-                done, blocked = await self.publish_batch(
-                    worker, WORKERS, every_key=worker in self._scouts)
+                done, blocked = await self.publish_batch(worker, WORKERS, every_key=scout)
                 failures = 0
             except Unavailable as exc:
                 failures += 1
                 await self._pause(exc, failures)
                 continue
             self.last_progress = time.monotonic()
+            self._scouts.discard(worker)
             if blocked:
                 # Another worker or relay holds the head of these keys; it
                 # commits in milliseconds, and nothing will notify us when it
                 # does: claim again (shortly, if this found nothing to
                 # publish). A scout hands the keys back to their workers,
                 # each to claim its own share, as the owners of those keys.
-                if worker in self._scouts:
-                    self._scouts.discard(worker)
+                if scout:
                     self._wake_idle()
                 if not done:
                     await asyncio.sleep(BLOCKED_RETRY)
                 continue
-            self._scouts.discard(worker)
             if done >= self.settings.batch_size:
                 self._wake_idle()
                 continue
