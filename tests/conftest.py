@@ -126,6 +126,17 @@ def rows(engine: sa.Engine, sql: str, **params: Any) -> list[sa.Row[Any]]:
         return list(result) if result.returns_rows else []
 
 
+def keys_by_share(engine: sa.Engine, shares: int) -> dict[int, list[str]]:
+    """Keys 'key-1' … 'key-1000' by the share of `shares` workers (outbox) or
+    dispatchers (inbox) that claims them, hashed as the claims hash them."""
+    by_share: dict[int, list[str]] = {}
+    for key, share in rows(engine, "SELECT k, (hashtext(k) & 2147483647) % :shares "
+                                   "FROM (SELECT 'key-' || i AS k "
+                                   "FROM generate_series(1, 1000) i) c", shares=shares):
+        by_share.setdefault(share, []).append(key)
+    return by_share
+
+
 def insert_outbox(engine: sa.Engine, count: int, *, topic: str, keys: int = 0,
                   type: str | None = "Test") -> None:
     """`count` rows in one transaction; keys > 0 spreads them over that many keys."""

@@ -22,6 +22,7 @@ from relay.store import Store
 from tests.conftest import (
     HANDLERS,
     MIXED_HANDLERS,
+    keys_by_share,
     process_gone,
     receiver_processes,
     rows,
@@ -40,10 +41,7 @@ def effect_ids(engine):
 
 def one_dispatchers_keys(engine, count):
     """`count` keys that the same dispatcher of a daemon claims."""
-    return [key for (key,) in rows(
-        engine, "SELECT k FROM (SELECT 'key-' || i AS k FROM generate_series(1, 1000) i) c "
-        "WHERE (hashtext(k) & 2147483647) % :workers = 0 LIMIT :count",
-        workers=DISPATCHERS, count=count)]
+    return keys_by_share(engine, DISPATCHERS)[0][:count]
 
 
 def store_rows(engine, consumer, planned):

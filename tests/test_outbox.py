@@ -20,7 +20,7 @@ from relay.errors import DatabaseUnavailable
 from relay.outbox import WORKERS, OutboxRelay
 from relay.rows import Failure
 from relay.store import NOTIFY_OUTBOX, Listener, OutboxSession, Store
-from tests.conftest import AMQP_URL, insert_outbox, rows, wait_until
+from tests.conftest import AMQP_URL, insert_outbox, keys_by_share, rows, wait_until
 
 
 async def test_once_publishes_with_the_contract_wire_format(engine, rabbit, run_relay):
@@ -169,12 +169,9 @@ class QuietRelay:
 
 def keys_of_every_share(engine: sa.Engine) -> list[str]:
     """One key for each worker's share, as the claim hashes them."""
-    shares = dict(rows(engine, "SELECT DISTINCT ON (share) share, key FROM ("
-                               "SELECT (hashtext(k) & 2147483647) % :workers AS share, k AS key "
-                               "FROM (SELECT 'key-' || i AS k FROM generate_series(1, 100) i) s) t",
-                       workers=WORKERS))
+    shares = keys_by_share(engine, WORKERS)
     assert sorted(shares) == list(range(WORKERS))
-    return list(shares.values())
+    return [shares[share][0] for share in range(WORKERS)]
 
 
 async def test_a_quiet_relay_answers_a_notification_with_one_claim(
