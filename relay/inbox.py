@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import orjson
 import sqlalchemy.exc as sa_exc
 
+from relay import storable
 from relay.backoff import Backoff, sleep_unless, until_available
 from relay.config import InboxSettings
 from relay.errors import Unavailable
@@ -292,14 +290,19 @@ class Dispatcher:
     def _handle(
         self, conn: Any, async_conn: Any, row: InboxRow, handler: Handler, asynchronous: bool
     ) -> Failure | None:
-        headers = orjson.loads(row.headers) if row.headers else {}
+        try:
+            headers = storable.loads(row.headers) if row.headers else {}
+            payload = storable.loads(row.payload) if row.payload is not None else None
+        except ValueError as exc:  # stored by hand, or by an older relay
+            return Failure(f"the row cannot be given to a handler: its JSON is {exc}",
+                           permanent=True)
         message = Message(
             id=row.message_id,
             type=row.type,
             topic=row.topic,
             key=row.key,
-            payload=_loads(row.payload) if row.payload is not None else None,
-            headers=headers,
+            payload=payload,
+            headers=headers if isinstance(headers, dict) else {},
             attempts=row.attempts,
             consumer=self.settings.consumer_name,
         )
@@ -357,17 +360,6 @@ class Dispatcher:
                 await asyncio.sleep(BLOCKED_RETRY)
                 continue
             await sleep_unless(self.wakeup, self.settings.poll_interval)
-
-
-# orjson reads integers over 64 bits as floats; a payload with such a long
-# run of digits goes through the json module, which keeps them exact.
-_LONG_DIGITS = re.compile(r"[0-9]{19,}")
-
-
-def _loads(text: str) -> object:
-    if _LONG_DIGITS.search(text):
-        return json.loads(text)
-    return orjson.loads(text)
 
 
 def _error_text(exc: BaseException) -> str:

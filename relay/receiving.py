@@ -29,8 +29,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import pickle
@@ -40,7 +38,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import orjson
 import psycopg
@@ -51,6 +49,7 @@ from relay.brokers import Consumer, Incoming, make_consumer
 from relay.config import InboxSettings
 from relay.errors import ConfigError, DatabaseUnavailable, Unavailable
 from relay.rows import NewInboxRow
+from relay.storable import last_resort, to_row, without_payload
 
 log = logging.getLogger("relay.inbox")
 
@@ -69,42 +68,7 @@ Report = Callable[[int, int, int], None]
 # --------------------------------------------------------------------------
 
 
-def dedup_key(message: Incoming) -> str:
-    """The producer's id, else sha256: + the hex digest of the body."""
-    if message.message_id:
-        return message.message_id
-    return "sha256:" + hashlib.sha256(message.body).hexdigest()
-
-
-def _json_text(body: bytes) -> tuple[str | None, str | None]:
-    """(JSON text, None) for a JSON body, (None, why not) otherwise."""
-    try:
-        orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        try:  # orjson refuses some valid JSON (integers over 64 bits)
-            json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return None, f"body is not valid JSON ({exc}); the raw bytes are kept in inbox.body"
-    try:
-        return body.decode("utf-8"), None
-    except UnicodeDecodeError as exc:
-        return None, f"body is not valid UTF-8 ({exc}); the raw bytes are kept in inbox.body"
-
-
-def to_row(message: Incoming) -> NewInboxRow:
-    """The inbox row for a received message; a body that is not JSON is kept, dead."""
-    payload, error = _json_text(message.body)
-    return NewInboxRow(
-        message_id=dedup_key(message),
-        topic=message.topic,
-        key=message.key,
-        type=message.type,
-        payload=payload,
-        body=message.body if payload is None else None,
-        headers=orjson.dumps(message.headers, default=str).decode(),
-        status="pending" if payload is not None else "dead",
-        last_error=error,
-    )
+# relay.storable turns each received message into one row, whatever it holds.
 
 
 # --------------------------------------------------------------------------
@@ -119,12 +83,13 @@ def to_row(message: Incoming) -> NewInboxRow:
 # SQL is in relay.store, which this process does without.
 INSERT_INBOX = """
 INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
-                   status, last_error)
+                   status, last_error, raw_properties)
 SELECT %(consumer)s, m.message_id, m.topic, m.key, m.type, m.payload,
-       decode(m.body, 'base64'), m.headers, m.status, m.last_error
+       decode(m.body, 'base64'), m.headers, m.status, m.last_error,
+       CAST(m.raw_properties AS json)
 FROM json_to_recordset(%(rows)s::json)
      AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
-          headers jsonb, status text, last_error text)
+          headers jsonb, status text, last_error text, raw_properties text)
 ON CONFLICT (consumer, message_id) DO NOTHING
 RETURNING message_id
 """
@@ -141,13 +106,25 @@ def rows_json(batch: Sequence[NewInboxRow]) -> str:
             "body": None if m.body is None else base64.b64encode(m.body).decode(),
             "headers": orjson.Fragment(m.headers), "status": m.status,
             "last_error": m.last_error,
+            # As a string: json_to_recordset would unescape a nested \u0000.
+            "raw_properties": m.raw_properties,
         }
         for m in batch
     ]).decode()
 
 
 class Refused(Exception):
-    """PostgreSQL refused a value of the batch (a data exception, SQLSTATE 22)."""
+    """PostgreSQL refused a value of the batch: a data exception (SQLSTATE
+    class 22: NUL characters, bad encodings, numbers out of range) or a
+    program limit (class 54: an index entry too big). The message's fault,
+    not the connection's."""
+
+
+def _refused_by_content(exc: BaseException) -> bool:
+    if isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded)):
+        return True
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    return sqlstate.startswith(("22", "54"))
 
 
 class InboxWriter:
@@ -163,19 +140,30 @@ class InboxWriter:
         value PostgreSQL will not take, DatabaseUnavailable when it is away."""
         if not batch:
             return set()
-        params = {"consumer": consumer, "rows": rows_json(batch)}
+        try:
+            params = {"consumer": consumer, "rows": rows_json(batch)}
+        except (orjson.JSONEncodeError, TypeError, ValueError) as exc:  # cannot happen
+            raise Refused(f"the row could not be encoded: {exc}") from exc
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = await pg.connect(self.conninfo)
             cursor = await self._conn.execute(INSERT_INBOX, params)
             return {row[0] for row in await cursor.fetchall()}
-        except psycopg.DataError as exc:
-            raise Refused(str(exc).splitlines()[0]) from exc
-        except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as exc:
-            await self.close()
-            first = str(exc).strip().splitlines()
-            raise DatabaseUnavailable(
-                f"{type(exc).__name__}: {first[0] if first else ''}") from exc
+        except psycopg.Error as exc:
+            if _refused_by_content(exc):
+                first = str(exc).strip().splitlines()
+                raise Refused(first[0] if first else type(exc).__name__) from exc
+            await self._lost(exc)
+        except OSError as exc:
+            await self._lost(exc)
+
+    async def _lost(self, exc: BaseException) -> NoReturn:
+        """Any other failure is the server's or the connection's (gone, read
+        only, out of disk): close the connection, raise DatabaseUnavailable,
+        and the batch waits, unacknowledged."""
+        await self.close()
+        first = str(exc).strip().splitlines()
+        raise DatabaseUnavailable(f"{type(exc).__name__}: {first[0] if first else ''}") from exc
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -252,7 +240,7 @@ class Receiver:
         failures = 0
         while True:
             try:
-                new = await self._insert(rows)
+                new = await self._insert(batch, rows)
                 break
             except Unavailable as exc:
                 if self.stopping.is_set():
@@ -276,29 +264,36 @@ class Receiver:
                 )
         self.report(len(rows), len(new), dead)
 
-    async def _insert(self, rows: list[NewInboxRow]) -> set[str]:
+    async def _insert(self, batch: Sequence[Incoming], rows: list[NewInboxRow]) -> set[str]:
+        """Store the rows; a row PostgreSQL refuses (one statement fails for
+        all) is stored again by itself, and if refused again, as a dead row
+        of what cannot be refused (relay.storable.last_resort). Replaces the
+        refused rows in `rows`, so that the report counts what was stored."""
         consumer = self.settings.consumer_name
         try:
             return await self.writer.insert(consumer, rows)
         except Refused:
-            # JSON that PostgreSQL's jsonb refuses (a \u0000 escape, a
-            # number out of range) sinks the whole statement: store row by
-            # row, keeping the refused bodies as dead rows.
-            new: set[str] = set()
-            for row in rows:
+            pass
+        new: set[str] = set()
+        for index, (message, row) in enumerate(zip(batch, rows, strict=True)):
+            try:
+                new |= await self.writer.insert(consumer, [row])
+            except Refused as exc:
+                refused = str(exc)
+            else:
+                continue
+            for kept in (without_payload(row, message, refused),
+                         last_resort(row, message, refused)):
                 try:
-                    new |= await self.writer.insert(consumer, [row])
-                except Refused as exc:
-                    kept = NewInboxRow(
-                        message_id=row.message_id, topic=row.topic, key=row.key,
-                        type=row.type, payload=None,
-                        body=(row.payload or "").encode() if row.body is None else row.body,
-                        headers=row.headers, status="dead",
-                        last_error=f"PostgreSQL refused the JSON body: {exc}; "
-                        "the raw bytes are kept in inbox.body",
-                    )
                     new |= await self.writer.insert(consumer, [kept])
-            return new
+                except Refused as exc:
+                    refused = str(exc)
+                    continue
+                rows[index] = kept
+                break
+            else:  # relay.storable's last resort holds nothing PostgreSQL refuses
+                raise RuntimeError(f"PostgreSQL refused even the last-resort row: {refused}")
+        return new
 
 
 class LocalReceiver:

@@ -52,6 +52,7 @@ class NewInboxRow:
     headers: str  # JSON object text
     status: str = "pending"
     last_error: str | None = None
+    raw_properties: str | None = None  # JSON text (relay.storable)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID
+from sqlalchemy.dialects.postgresql import BYTEA, JSON, JSONB, UUID
 
 from relay.errors import SchemaError, SchemaNotReady
 
@@ -61,6 +61,7 @@ inbox = sa.Table(
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_error", sa.Text),
     sa.Column("processed_at", sa.DateTime(timezone=True)),
+    sa.Column("raw_properties", JSON),
 )
 
 VERSION_TABLE_DDL = """\

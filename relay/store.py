@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from relay import pg, schema
 from relay.config import redact_url
 from relay.errors import DatabaseUnavailable
+from relay.limits import clean_error
 from relay.rows import Failure, InboxRow, OutboxRow
 
 log = logging.getLogger(__name__)
@@ -598,7 +599,7 @@ class Store:
         params = {
             "consumer": consumer,
             "ids": [row.message_id for row, _, _ in failures],
-            "errors": [f.error for _, f, _ in failures],
+            "errors": [clean_error(f.error) for _, f, _ in failures],
             "delays": [delay for _, _, delay in failures],
             "permanent": [f.permanent for _, f, _ in failures],
             "max_attempts": max_attempts,

@@ -355,7 +355,7 @@ async def test_non_json_body_is_kept_and_dead(effects, rabbit, inbox):
     assert stored["bad-1"][1:4] == ("dead", None, body)
     assert "not valid JSON" in stored["bad-1"][4]
     assert stored["bad-2"][1] == "dead" and bytes(stored["bad-2"][3]) == b'{"nul": "\\u0000"}'
-    assert "refused" in stored["bad-2"][4]
+    assert "NUL character" in stored["bad-2"][4]
 
 
 async def test_missing_message_id_dedups_by_body_hash(effects, rabbit, inbox):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -53,8 +53,16 @@ class Incoming:
     key: str | None
     type: str | None
     body: bytes
-    headers: dict[str, str] = field(default_factory=dict)
+    # As decoded: AMQP table values of any type, strings that may hold NUL
+    # characters or (decoded leniently) invalid UTF-8 as surrogate escapes.
+    # relay.storable turns them into what the inbox table can hold.
+    headers: dict[str, Any] = field(default_factory=dict)
     ack_token: object = None  # adapter-specific (delivery tag, receipt handle)
+    # The adapter's lossless account of the properties, asked for only when
+    # the row cannot hold them as given: a JSON-able dict (bytes allowed).
+    original: Callable[[], dict[str, Any]] | None = None
+    # Why the adapter could not decode the properties at all, if so.
+    undecodable: str | None = None
 
 
 class Consumer(Protocol):

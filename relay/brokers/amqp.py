@@ -12,8 +12,6 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import datetime
-from decimal import Decimal
 from typing import Any
 
 import aio_pika
@@ -26,6 +24,7 @@ from pamqp import commands as spec
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
+from relay.brokers import amqp_lenient
 from relay.brokers.amqp_wire import publish_frames, shortstr
 from relay.brokers import (
     BadMessage,
@@ -378,17 +377,15 @@ class AmqpPublisher(_Client):
         )
 
 
-def _jsonable(value: Any) -> Any:
-    """AMQP table values (bytes, datetimes, decimals, nested) as JSON values."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if isinstance(value, (datetime, Decimal)):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
+def _original(message: DeliveredMessage) -> dict[str, Any]:
+    """A delivery's properties exactly as they came: the content header
+    frame's bytes (AMQP 0-9-1, class 60) and the routing key."""
+    raw = getattr(message.header, "relay_raw", None)
+    return {
+        "exchange": message.delivery.exchange,
+        "routing_key": message.delivery.routing_key,
+        "content_header": raw if raw is not None else None,
+    }
 
 
 class AmqpConsumer(_Client):
@@ -405,6 +402,7 @@ class AmqpConsumer(_Client):
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._received: asyncio.Queue[DeliveredMessage | BaseException] = asyncio.Queue()
+        amqp_lenient.install()  # no delivery can drop the connection
 
     async def connect(self) -> None:
         if self.connected:
@@ -493,18 +491,25 @@ class AmqpConsumer(_Client):
             yield batch
 
     def _incoming(self, message: DeliveredMessage) -> Incoming:
-        properties = message.header.properties
-        headers = {str(k): _jsonable(v) for k, v in (properties.headers or {}).items()}
+        """A delivery as the inbox sees it: values as decoded (relay.storable
+        makes them storable, or the row dead), nothing here can fail."""
+        header = message.header
+        properties = header.properties
+        headers = properties.headers or {}
         key = headers.get(KEY_HEADER)
+        if isinstance(key, (bytes, bytearray)):
+            key = bytes(key).decode("utf-8", "surrogateescape")
         routing_key = message.delivery.routing_key
         return Incoming(
             message_id=properties.message_id or None,
             topic=routing_key,
-            key=str(key) if key is not None else None,
+            key=key if key is None or isinstance(key, str) else str(key),
             type=properties.message_type or routing_key or None,  # the contract's fallback
             body=message.body,
             headers=headers,
             ack_token=message,
+            original=lambda: _original(message),
+            undecodable=getattr(header, "relay_undecodable", None),
         )
 
     async def ack(self, batch: Sequence[Incoming]) -> None:

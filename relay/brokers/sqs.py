@@ -524,6 +524,7 @@ def to_incoming(message: dict[str, Any], queue: str) -> Incoming:
         body=message.get("Body", "").encode("utf-8"),
         headers=headers,
         ack_token=message["ReceiptHandle"],
+        original=lambda: {"message_attributes": attributes},
     )
 
 

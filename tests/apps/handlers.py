@@ -100,3 +100,9 @@ def logs(message: relay.Message, conn: sa.Connection) -> None:
 mixed_registry = relay.HandlerRegistry()
 mixed_registry.include(registry)
 mixed_registry.include(async_registry)
+
+
+@registry.handler("RaisesPayloadMessage")
+def raises_payload_message(message: relay.Message, conn: sa.Connection) -> None:
+    """Fails with the payload's own text, "<NUL>" standing for a NUL character."""
+    raise ValueError(message.payload["message"].replace("<NUL>", "\x00"))
