@@ -78,6 +78,10 @@ def normalize_database_url(url: str) -> str:
             f"invalid database URL {redact_url(url)!r}: expected postgresql://user@host/dbname"
         )
     if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
+        try:
+            urllib.parse.urlsplit(url).port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise ConfigError(f"invalid database URL {redact_url(url)!r}: {exc}") from None
         return "postgresql+psycopg://" + rest
     raise ConfigError(
         f"unsupported database URL scheme {scheme!r}: use postgresql:// or postgresql+psycopg://"

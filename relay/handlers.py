@@ -7,6 +7,8 @@ import asyncio
 import importlib
 import inspect
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -149,6 +151,12 @@ def load(specs: Iterable[str]) -> HandlerRegistry:
     specs = list(specs)
     merged = HandlerRegistry()
     if specs:
+        # The working directory first, as Celery, Dramatiq and uvicorn look
+        # for an app's modules: `relay inbox --handlers app.handlers` run
+        # from the app's checkout finds it without PYTHONPATH.
+        cwd = os.getcwd()
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
         for spec in specs:
             merged.include(_load_spec(spec))
         return merged

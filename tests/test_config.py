@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ from relay.config import (
     redact_url,
     url_password,
 )
+from tests.conftest import RELAY, REPO
 
 SECRET = "s3cr3t-Pa55"
 
@@ -71,6 +73,8 @@ def test_normalize_database_url_accepts_postgres(url):
         "postgresql+asyncpg://app@db/shop",
         "sqlite:///relay.db",
         "db.example/shop",
+        "postgresql://app@db:54x2/shop",
+        "postgresql://app@db:99999/shop",
         "",
     ],
 )
@@ -85,6 +89,7 @@ def test_normalize_database_url_rejects_others(url):
         f"mysql://app:{SECRET}@db/shop",
         f"postgresql:/app:{SECRET}@db/shop",  # a typo: one slash
         f"app:{SECRET}@db/shop",  # no scheme at all
+        f"postgresql://app:{SECRET}@db:port/shop",  # a port that is no number
     ],
 )
 def test_database_url_errors_hide_the_password(url):
@@ -280,3 +285,13 @@ def test_setup_masks_secrets_on_stderr(monkeypatch):
     assert SECRET not in text
     assert "not shown" not in text
     assert text.count("password is") == 1
+
+
+def test_a_database_url_with_a_bad_port_exits_2_with_one_line():
+    result = subprocess.run(
+        [*RELAY, "status", "--database-url", f"postgresql://app:{SECRET}@127.0.0.1:abc/x"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Port could not be cast" in result.stderr and SECRET not in result.stderr

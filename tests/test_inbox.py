@@ -7,8 +7,11 @@ import hashlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import orjson
 import pytest
@@ -476,6 +479,37 @@ async def test_status_and_retry_commands(effects, rabbit, inbox, run_relay):
     assert run_relay("retry", "outbox").returncode == 2
     bad = run_relay("retry", "outbox", "--id", "not-a-uuid")
     assert bad.returncode == 2 and "not-a-uuid" in bad.stderr
+
+
+async def test_handlers_module_is_found_in_the_working_directory(
+        effects, rabbit, relay_env, tmp_path):
+    """`relay inbox --handlers app_handlers` run from the app's own checkout
+    finds app_handlers.py there, as Celery and uvicorn find theirs."""
+    (tmp_path / "cwd_handlers.py").write_text(
+        "import relay\nimport sqlalchemy as sa\nregistry = relay.HandlerRegistry()\n"
+        "@registry.handler('CwdEffect')\n"
+        "def effect(message, conn):\n"
+        "    conn.execute(sa.text('INSERT INTO effects (message_id) VALUES (:m)'), "
+        "{'m': message.id})\n")
+    queue = f"{rabbit.exchange}.in"
+    rabbit.queues.append(queue)
+    log = tmp_path / "inbox.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            # The console script, as users run it (`python -m` would put the
+            # working directory on sys.path by itself).
+            [str(Path(sys.executable).parent / "relay"), "inbox", "--queue", queue,
+             "--exchange", rabbit.exchange, "--bind", "#", "--handlers", "cwd_handlers"],
+            env=relay_env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        wait_until(lambda: "inbox started" in log.read_text() or proc.poll() is not None,
+                   timeout=30)
+        assert proc.poll() is None, log.read_text()
+        await rabbit.publish("t", b"{}", message_id="cwd-1", type="CwdEffect")
+        wait_until(lambda: effect_ids(effects) == ["cwd-1"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
 
 
 def test_handler_loading_errors_exit_2(run_relay):
