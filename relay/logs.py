@@ -207,3 +207,8 @@ def setup(level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = ()) -
     # Libraries log connection chatter at INFO; keep it for DEBUG runs.
     for noisy in ("aio_pika", "aiormq", "botocore", "apscheduler", "sqlalchemy"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # aiormq logs every failed connect and every connection the broker
+    # closes as an ERROR of its own; relay logs each once, with what it does
+    # next (reconnect_wait), so keep aiormq's for DEBUG runs: one line per retry.
+    if root.level > logging.DEBUG:
+        logging.getLogger("aiormq.connection").setLevel(logging.CRITICAL)
