@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy.exc as sa_exc
 
-from relay import storable
+from relay import storable, tracing
 from relay.backoff import Backoff, sleep_unless, until_available
 from relay.config import InboxSettings
 from relay.errors import Unavailable
@@ -147,6 +147,8 @@ class Dispatcher:
         }
         self.metrics = metrics
         self.pace = pace
+        broker = settings.broker.kind if settings.broker is not None else ""
+        self.messaging_system = tracing.SYSTEMS.get(broker, broker)
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
         self.reconnect = Backoff(0.5, 30.0)
         self.wakeup = asyncio.Event()
@@ -308,6 +310,33 @@ class Dispatcher:
         )
         started = time.perf_counter()
         try:
+            if tracing.enabled:
+                with tracing.process(
+                    self.messaging_system, message.consumer, row.message_id, row.topic,
+                    row.type, message.headers, row.attempts,
+                ) as span:
+                    failure = self._call(handler, message, conn, async_conn, asynchronous)
+                    if failure is not None:
+                        tracing.failed(span, failure.error)
+            else:
+                failure = self._call(handler, message, conn, async_conn, asynchronous)
+        finally:
+            self.metrics.handler_seconds.observe(time.perf_counter() - started)
+        if failure is not None:
+            return failure
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "handled", extra={"action": "handled", "message_id": row.message_id,
+                                  "type": row.type,
+                                  "traceparent": message.headers.get("traceparent")},
+            )
+        return None
+
+    def _call(
+        self, handler: Handler, message: Message, conn: Any, async_conn: Any, asynchronous: bool
+    ) -> Failure | None:
+        """Run one handler; its exception as a Failure (a lost database raises)."""
+        try:
             call_from_sync(handler, message, conn, async_conn, self.settings.handler_timeout,
                            asynchronous)
         except Unavailable:
@@ -321,13 +350,6 @@ class Dispatcher:
                     f"{self.settings.handler_timeout:g}s and was cancelled\n{_error_text(exc)}"
                 )
             return Failure(_error_text(exc))
-        finally:
-            self.metrics.handler_seconds.observe(time.perf_counter() - started)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "handled", extra={"action": "handled", "message_id": row.message_id,
-                                  "type": row.type, "traceparent": headers.get("traceparent")},
-            )
         return None
 
     async def run(self) -> None:
@@ -509,6 +531,7 @@ def inbox_service(
     from relay.store import NOTIFY_INBOX, Listener
 
     assert settings.broker is not None
+    tracing.setup("relay-inbox")
     types = registry.types
     # Log lines a handler emits carry the message's id, type and traceparent.
     registry = with_log_context(registry)
@@ -598,7 +621,7 @@ def inbox_service(
         # Above the dispatcher's own hung-handler detection (HUNG_AFTER).
         stall_after=max(STALL_AFTER, (HUNG_AFTER + 1) * settings.handler_timeout)
         + settings.poll_interval,
-        on_stop=[receiver.close, store.close],
+        on_stop=[receiver.close, store.close, tracing.flush],
     )
 
 

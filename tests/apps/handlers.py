@@ -106,3 +106,13 @@ mixed_registry.include(async_registry)
 def raises_payload_message(message: relay.Message, conn: sa.Connection) -> None:
     """Fails with the payload's own text, "<NUL>" standing for a NUL character."""
     raise ValueError(message.payload["message"].replace("<NUL>", "\x00"))
+
+
+@registry.handler("TraceEffect")
+def trace_effect(message: relay.Message, conn: sa.Connection) -> None:
+    """Records the trace and span the handler runs in (OpenTelemetry's current span)."""
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    conn.execute(_INSERT, {**_effect(message),
+                           "tp": f"{context.trace_id:032x}-{context.span_id:016x}"})

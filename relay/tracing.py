@@ -1,0 +1,159 @@
+"""OpenTelemetry spans for each outbox row sent and each inbox message handled.
+
+Optional: with the extra `relay[otel]` installed and OTEL_TRACES_EXPORTER
+set (`console`, `otlp`, ...), the daemons configure the SDK from the
+standard OTEL_* variables, as `opentelemetry-instrument` would, and trace:
+
+- each outbox row: a PRODUCER span `send <topic>`, child of the row's
+  `traceparent` header (the producer's request), from the publish to the
+  broker's confirm;
+- each inbox message: a CONSUMER span `process <topic>`, child of the
+  message's `traceparent`, around its handler, which runs inside it (the
+  handler's own spans and log lines belong to it).
+
+Attributes follow OpenTelemetry's messaging semantic conventions. Without
+the SDK, or with OTEL_TRACES_EXPORTER unset or `none`, nothing here runs
+per message: `enabled` is False and the loops skip it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The messaging.system value per broker kind (relay.config.BrokerURL.kind).
+SYSTEMS = {"amqp": "rabbitmq", "sqs": "aws_sqs"}
+
+enabled = False
+_tracer: Any = None
+_provider: Any = None
+
+
+def setup(service: str) -> bool:
+    """Configure the SDK from OTEL_* if it is installed and asked for; True
+    if spans will be exported. Safe to call more than once."""
+    global enabled, _tracer, _provider
+    if enabled:
+        return True
+    exporter = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not exporter or exporter == "none":
+        return False
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk._configuration import _OTelSDKConfigurator
+    except ImportError:
+        log.warning("OTEL_TRACES_EXPORTER is set but OpenTelemetry's SDK is not installed "
+                    "(pip install 'relay[otel]'): no spans are exported")
+        return False
+    attributes = {}
+    if "OTEL_SERVICE_NAME" not in os.environ and "service.name" not in os.environ.get(
+            "OTEL_RESOURCE_ATTRIBUTES", ""):
+        attributes["service.name"] = service
+    try:
+        _OTelSDKConfigurator().configure(resource_attributes=attributes)
+    except Exception as exc:  # an unknown exporter name, say: tracing is not worth a crash
+        log.warning("OpenTelemetry could not be configured from OTEL_* (%s: %s): "
+                    "no spans are exported", type(exc).__name__, exc)
+        return False
+    _provider = trace.get_tracer_provider()
+    _tracer = trace.get_tracer("relay")
+    enabled = True
+    log.info("tracing: spans exported to %s", exporter)
+    return True
+
+
+def shutdown() -> None:
+    """Export what is buffered (before the process exits)."""
+    if _provider is not None and hasattr(_provider, "shutdown"):
+        with contextlib.suppress(Exception):
+            _provider.shutdown()
+
+
+async def flush() -> None:
+    """shutdown() for a daemon's on_stop list."""
+    shutdown()
+
+
+def _parent(headers: Mapping[str, Any] | None) -> Any:
+    from opentelemetry.propagate import extract
+
+    carrier = {k: v for k, v in (headers or {}).items() if isinstance(v, str)}
+    return extract(carrier)
+
+
+def start_send(
+    rows: Sequence[Any], system: str, destination: str | None, headers: Sequence[Mapping[str, Any]]
+) -> list[Any]:
+    """One PRODUCER span per outbox row (relay.rows.OutboxRow), started now."""
+    from opentelemetry.trace import SpanKind
+
+    spans = []
+    for row, row_headers in zip(rows, headers, strict=True):
+        attributes = {
+            "messaging.system": system,
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "send",
+            "messaging.destination.name": destination or row.topic,
+            "messaging.message.id": row.id,
+            "relay.outbox.attempts": row.attempts,
+        }
+        if system == "rabbitmq":
+            attributes["messaging.rabbitmq.destination.routing_key"] = row.topic
+        if row.key is not None:
+            attributes["relay.key"] = row.key
+        spans.append(_tracer.start_span(
+            f"send {row.topic}", context=_parent(row_headers), kind=SpanKind.PRODUCER,
+            attributes=attributes))
+    return spans
+
+
+def end_send(spans: Sequence[Any], errors: Sequence[str | None]) -> None:
+    """End the spans of start_send: an error text marks a span failed."""
+    from opentelemetry.trace import Status, StatusCode
+
+    for span, error in zip(spans, errors, strict=True):
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error.splitlines()[0] if error else ""))
+        span.end()
+
+
+def failed(span: Any, error: str) -> None:
+    """Mark a span failed with the first line of an error text."""
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_status(Status(StatusCode.ERROR, error.splitlines()[-1] if error else ""))
+
+
+@contextlib.contextmanager
+def process(
+    system: str, consumer: str, message_id: str, topic: str | None, type_: str | None,
+    headers: Mapping[str, Any], attempts: int,
+) -> Iterator[Any]:
+    """A CONSUMER span around one handler run, current while it runs."""
+    from opentelemetry.trace import SpanKind
+
+    attributes = {
+        "messaging.system": system,
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.consumer.group.name": consumer,
+        "messaging.message.id": message_id,
+        "relay.inbox.attempts": attempts,
+    }
+    if topic is not None:
+        attributes["messaging.destination.name"] = topic
+    if type_ is not None:
+        attributes["relay.message.type"] = type_
+    with _tracer.start_as_current_span(
+        f"process {topic or type_ or consumer}", context=_parent(headers),
+        kind=SpanKind.CONSUMER, attributes=attributes, record_exception=True,
+        set_status_on_exception=True,
+    ) as span:
+        yield span

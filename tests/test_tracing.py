@@ -1,0 +1,80 @@
+"""OpenTelemetry: spans continue the producer's trace through the outbox and the inbox.
+
+The daemons run with OTEL_TRACES_EXPORTER=console, which prints each span as
+JSON on stdout (the test's log file, with stderr): the spans are read from
+there, as an operator would see them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tests.conftest import rows, wait_until
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+TRACING = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "OTEL_SERVICE_NAME": "relay-under-test"}
+
+
+def spans(log: str) -> list[dict]:
+    """The console exporter's spans in a log: JSON objects that start a line."""
+    found, decoder = [], json.JSONDecoder()
+    for match in re.finditer(r"^\{", log, re.MULTILINE):
+        try:
+            value, _ = decoder.raw_decode(log, match.start())
+        except ValueError:
+            continue
+        if isinstance(value, dict) and "context" in value:
+            found.append(value)
+    return found
+
+
+async def test_inbox_span_continues_the_message_trace_and_the_handler_runs_in_it(
+        effects, rabbit, inbox):
+    daemon = inbox(env=TRACING)
+    await rabbit.publish("orders.placed", b'{"n": 1}', message_id="traced-1",
+                         type="TraceEffect", headers={"traceparent": TRACEPARENT})
+    await rabbit.publish("orders.placed", b'{"n": 2}', message_id="untraced-1",
+                         type="TraceEffect")
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM effects")) == 2)
+    seen = dict(rows(effects, "SELECT message_id, traceparent FROM effects"))
+    trace_id, span_id = seen["traced-1"].split("-")
+    assert trace_id == TRACE_ID and span_id != PARENT_ID
+    assert seen["untraced-1"].split("-")[0] != TRACE_ID  # a trace of its own
+    daemon.stop()
+    [span] = [s for s in spans(daemon.log) if s["context"]["span_id"] == "0x" + span_id]
+    assert span["name"] == "process orders.placed"
+    assert span["kind"] == "SpanKind.CONSUMER"
+    assert span["parent_id"] == "0x" + PARENT_ID
+    assert span["context"]["trace_id"] == "0x" + TRACE_ID
+    assert span["attributes"]["messaging.system"] == "rabbitmq"
+    assert span["attributes"]["messaging.message.id"] == "traced-1"
+    assert span["attributes"]["messaging.operation.type"] == "process"
+    assert span["resource"]["attributes"]["service.name"] == "relay-under-test"
+
+
+async def test_failed_handler_marks_its_span_failed(effects, rabbit, inbox):
+    daemon = inbox("--max-attempts", "1", env=TRACING)
+    await rabbit.publish("t", b"{}", message_id="fails-1", type="AlwaysFails",
+                         headers={"traceparent": TRACEPARENT})
+    wait_until(lambda: rows(effects, "SELECT status FROM inbox WHERE message_id = 'fails-1'")
+               == [("dead",)])
+    daemon.stop()
+    [span] = [s for s in spans(daemon.log)
+              if s["attributes"].get("messaging.message.id") == "fails-1"]
+    assert span["status"]["status_code"] == "ERROR"
+    assert "this handler always fails" in span["status"]["description"]
+
+
+async def test_without_otel_variables_no_span_is_printed(effects, rabbit, inbox):
+    daemon = inbox()
+    await rabbit.publish("t", b"{}", message_id="plain-1", type="Effect",
+                         headers={"traceparent": TRACEPARENT})
+    wait_until(lambda: rows(effects, "SELECT message_id FROM effects") == [("plain-1",)])
+    daemon.stop()
+    assert spans(daemon.log) == []
+    assert "tracing:" not in daemon.log
+
