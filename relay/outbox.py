@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import orjson
+
+from relay import tracing
 from relay.backoff import Backoff
 from relay.brokers import Outcome, Publisher
 from relay.config import OutboxSettings
@@ -106,8 +109,14 @@ class OutboxRelay:
                 await session.finish(())
                 return 0, blocked
             started = time.perf_counter()
+            spans = self._start_spans(rows) if tracing.enabled else None
             results = await self.publisher.publish(rows)
             self.metrics.publish_seconds.observe(time.perf_counter() - started)
+            if spans is not None:
+                tracing.end_send(spans, [
+                    r.error if isinstance(r, Failure) else
+                    "not confirmed (connection lost)" if r is Outcome.RELEASE else None
+                    for r in results])
             published: list[OutboxRow] = []
             failed: list[tuple[OutboxRow, Failure, float]] = []
             for row, result in zip(rows, results, strict=True):
@@ -138,6 +147,20 @@ class OutboxRelay:
         if Outcome.RELEASE in results and not self.publisher.connected:
             raise BrokerUnavailable("connection lost before every confirm arrived")
         return len(rows), blocked
+
+    def _start_spans(self, rows: list[OutboxRow]) -> list[Any]:
+        """A PRODUCER span per row, each continuing its row's traceparent."""
+        broker = self.settings.broker.kind if self.settings.broker is not None else ""
+        headers = []
+        for row in rows:
+            try:
+                parsed = orjson.loads(row.headers)
+            except orjson.JSONDecodeError:
+                parsed = None
+            headers.append(parsed if isinstance(parsed, dict) else {})
+        destination = self.settings.exchange if broker == "amqp" else None
+        return tracing.start_send(rows, tracing.SYSTEMS.get(broker, broker), destination,
+                                  headers)
 
     async def run(self, *, once: bool = False) -> None:
         """Run the workers until stop() (or, with once, until nothing is due)."""
@@ -228,6 +251,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     from relay.store import NOTIFY_OUTBOX, Listener
 
     assert settings.broker is not None
+    tracing.setup("relay-outbox")
     store = Store(settings.database_url, pool_size=2)
     publisher = make_publisher(settings.broker, exchange=settings.exchange)
     relay = OutboxRelay(settings, store, publisher)
@@ -281,7 +305,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         metrics=relay.metrics.render,
         progress=lambda: relay.last_progress,
         stall_after=STALL_AFTER + settings.poll_interval,
-        on_stop=[publisher.close, relay.close, store.close],
+        on_stop=[publisher.close, relay.close, store.close, tracing.flush],
     )
 
 

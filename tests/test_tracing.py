@@ -78,3 +78,27 @@ async def test_without_otel_variables_no_span_is_printed(effects, rabbit, inbox)
     assert spans(daemon.log) == []
     assert "tracing:" not in daemon.log
 
+
+
+async def test_outbox_span_continues_the_row_trace(engine, rabbit, run_relay):
+    queue = await rabbit.queue("orders.#")
+    rows(engine, "INSERT INTO outbox (topic, key, type, payload, headers) VALUES "
+                 "('orders.placed', 'order-7', 'OrderPlaced', '{}', CAST(:h AS jsonb)), "
+                 "('orders.placed', NULL, 'OrderPlaced', '{}', '{}')",
+         h=json.dumps({"traceparent": TRACEPARENT}))
+    result = run_relay("outbox", "--once", "--exchange", rabbit.exchange, env=TRACING)
+    assert result.returncode == 0, result.stderr
+    await rabbit.drain(queue, 2)
+    traced_id = rows(engine, "SELECT id::text FROM outbox WHERE key = 'order-7'")[0][0]
+    found = {s["attributes"]["messaging.message.id"]: s for s in spans(result.stdout)}
+    assert len(found) == 2, result.stdout
+    span = found[traced_id]
+    assert span["name"] == "send orders.placed"
+    assert span["kind"] == "SpanKind.PRODUCER"
+    assert span["parent_id"] == "0x" + PARENT_ID
+    assert span["context"]["trace_id"] == "0x" + TRACE_ID
+    assert span["attributes"]["messaging.destination.name"] == rabbit.exchange
+    assert span["attributes"]["messaging.rabbitmq.destination.routing_key"] == "orders.placed"
+    assert span["status"]["status_code"] == "UNSET"
+    others = [s for i, s in found.items() if i != traced_id]
+    assert others[0]["parent_id"] is None
