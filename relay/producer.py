@@ -7,12 +7,14 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
+from psycopg.types.json import Jsonb
+from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from relay.schema import outbox
-
 
 _builtin_type = type
 
@@ -48,8 +50,26 @@ def _insert(
     return message_id, sa.insert(outbox).values(values)
 
 
+# The same INSERT for connections outside SQLAlchemy (psycopg 3, Django):
+# compiled once per call for psycopg's placeholders, JSON as psycopg's Jsonb.
+_DIALECT = postgresql_psycopg.dialect()
+
+
+def _dbapi(statement: sa.Insert) -> tuple[str, dict[str, Any]]:
+    compiled = statement.compile(dialect=_DIALECT)
+    params = dict(compiled.params)
+    for name in ("payload", "headers"):
+        params[name] = Jsonb(params[name])
+    return str(compiled), params
+
+
+def _is_django(conn: Any) -> bool:
+    """django.db.connection (a proxy) or a connection from django.db.connections."""
+    return type(conn).__module__.startswith("django.") and hasattr(conn, "cursor")
+
+
 def enqueue(
-    conn: sa.Connection | Session,
+    conn: sa.Connection | Session | psycopg.Connection[Any] | Any,
     topic: str,
     payload: Any,
     *,
@@ -62,15 +82,25 @@ def enqueue(
     """Add a message to the outbox in the transaction of `conn`; returns its id.
 
     The row commits or rolls back with the caller's business writes; the
-    outbox relay publishes it after the commit.
+    outbox relay publishes it after the commit. `conn` is a SQLAlchemy
+    Connection or Session, a psycopg 3 Connection, or Django's connection
+    (PostgreSQL backend on psycopg 3, inside transaction.atomic()).
     """
     message_id, statement = _insert(topic, payload, key, type, headers, id, available_at)
-    conn.execute(statement)
+    if isinstance(conn, psycopg.Connection):
+        conn.execute(*_dbapi(statement))
+    elif _is_django(conn):
+        if getattr(conn, "vendor", "postgresql") != "postgresql":
+            raise TypeError(f"relay.enqueue needs a PostgreSQL database, not {conn.vendor}")
+        with conn.cursor() as cursor:
+            cursor.execute(*_dbapi(statement))
+    else:  # SQLAlchemy's Connection, Session, scoped_session...
+        conn.execute(statement)
     return message_id
 
 
 async def enqueue_async(
-    conn: AsyncConnection | AsyncSession,
+    conn: AsyncConnection | AsyncSession | psycopg.AsyncConnection[Any],
     topic: str,
     payload: Any,
     *,
@@ -80,7 +110,11 @@ async def enqueue_async(
     id: uuid.UUID | str | None = None,
     available_at: datetime | None = None,
 ) -> uuid.UUID:
-    """enqueue() for an AsyncConnection or AsyncSession."""
+    """enqueue() for a SQLAlchemy AsyncConnection or AsyncSession, or a
+    psycopg 3 AsyncConnection."""
     message_id, statement = _insert(topic, payload, key, type, headers, id, available_at)
-    await conn.execute(statement)
+    if isinstance(conn, psycopg.AsyncConnection):
+        await conn.execute(*_dbapi(statement))
+    else:  # SQLAlchemy's AsyncConnection, AsyncSession, async_scoped_session...
+        await conn.execute(statement)
     return message_id

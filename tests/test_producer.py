@@ -203,3 +203,80 @@ async def test_enqueue_async_rejects_bad_arguments_and_inserts_nothing(engine, a
                 pytest.fail(f"{case}: no {error.__name__}")
             assert (await conn.execute(sa.text("SELECT count(*) FROM outbox"))).scalar() == 0, case
     assert count(engine) == 0
+
+
+# --------------------------------------------------------------------------
+# enqueue: psycopg 3 and Django, no SQLAlchemy in the caller
+# --------------------------------------------------------------------------
+
+
+def _libpq(database: str) -> str:
+    return database.replace("postgresql+psycopg://", "postgresql://")
+
+
+def test_enqueue_with_a_psycopg_connection_commits_and_rolls_back_with_it(engine, database):
+    import psycopg
+
+    with psycopg.connect(_libpq(database)) as conn:
+        message_id = relay.enqueue(conn, "orders.placed", {"order_id": 7, "big": 2**70},
+                                   key="order-7", type="OrderPlaced",
+                                   headers={"traceparent": "00-abc"})
+        assert count(engine) == 0  # not committed yet
+        conn.commit()
+        relay.enqueue(conn, "orders.placed", {"order_id": 8})
+        conn.rollback()
+    [row] = outbox_rows(engine)
+    assert row.id == message_id
+    assert (row.topic, row.key, row.type) == ("orders.placed", "order-7", "OrderPlaced")
+    assert row.payload == {"order_id": 7, "big": 2**70}
+    assert row.headers == {"traceparent": "00-abc"}
+
+
+async def test_enqueue_async_with_a_psycopg_async_connection(engine, database):
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(_libpq(database)) as conn:
+        message_id = await relay.enqueue_async(conn, "t", {"n": 1}, key="k")
+        await conn.commit()
+        await relay.enqueue_async(conn, "t", {"n": 2})
+        await conn.rollback()
+    [row] = outbox_rows(engine)
+    assert (row.id, row.payload, row.key) == (message_id, {"n": 1}, "k")
+
+
+def test_enqueue_with_djangos_connection_inside_atomic(engine, database):
+    """Django 4.2+ on psycopg 3: the row commits with the atomic block and
+    is gone with its rollback. Run in a subprocess: Django's settings are
+    process-wide."""
+    import subprocess
+    import sys
+    import textwrap
+
+    url = sa.make_url(database)
+    script = textwrap.dedent(f"""
+        import django
+        from django.conf import settings
+        settings.configure(DATABASES={{"default": {{
+            "ENGINE": "django.db.backends.postgresql", "NAME": {url.database!r},
+            "HOST": {url.host!r}, "PORT": {url.port or 5432!r}, "USER": {url.username!r}}}}})
+        django.setup()
+        from django.db import connection, transaction
+        import relay
+
+        with transaction.atomic():
+            kept = relay.enqueue(connection, "orders.placed", {{"order_id": 7}},
+                                 key="order-7", type="OrderPlaced")
+        try:
+            with transaction.atomic():
+                relay.enqueue(connection, "orders.placed", {{"order_id": 8}})
+                raise RuntimeError("rolled back")
+        except RuntimeError:
+            pass
+        print(kept)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    [row] = outbox_rows(engine)
+    assert str(row.id) == result.stdout.strip()
+    assert (row.payload, row.key, row.type) == ({"order_id": 7}, "order-7", "OrderPlaced")
