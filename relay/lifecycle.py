@@ -55,7 +55,9 @@ class Service:
     `stop()` asks it to finish the batch in hand and return. `background`
     tasks get the stop event and are cancelled after the main loop ends.
     `progress()` is the monotonic time of the main loop's last finished unit
-    of work; `ready()` tells whether the database and broker answer.
+    of work; `ready()` tells whether the database and broker answer;
+    `unready()` gives a reason to be not ready although they do (the broker
+    blocks publishing: a resource alarm), or None.
     """
 
     name: str
@@ -63,6 +65,7 @@ class Service:
     stop: Callable[[], None]
     background: dict[str, Factory] = field(default_factory=dict)
     ready: Callable[[], Awaitable[bool]] | None = None
+    unready: Callable[[], str | None] | None = None
     metrics: Callable[[], bytes] | None = None
     progress: Callable[[], float] | None = None
     stall_after: float = STALL_AFTER
@@ -142,12 +145,23 @@ class Daemon:
 
     async def ready(self) -> bool:
         """Started, not stopping, and every service's database and broker answer."""
-        if not self.started or self.stop_event.is_set() or not self.alive():
-            return False
+        return await self.unready_reason() is None
+
+    async def unready_reason(self) -> str | None:
+        """Why the daemon is not ready (for /readyz's body), or None if it is."""
+        if not self.started:
+            return "starting"
+        if self.stop_event.is_set():
+            return "stopping"
+        if not self.alive():
+            return "a loop or background task has died"
         for service in self.services:
             if not await self._service_ready(service):
-                return False
-        return True
+                return f"{service.name}: the database or the broker does not answer"
+            reason = service.unready() if service.unready is not None else None
+            if reason:
+                return f"{service.name}: {reason}"
+        return None
 
     async def _service_ready(self, service: Service) -> bool:
         if service.ready is None:
@@ -399,8 +413,10 @@ async def _route(daemon: Daemon, method: str, path: str) -> tuple[int, str, byte
         ok = await daemon.healthy()
         return (200, text, b"ok\n") if ok else (503, text, b"not healthy\n")
     if path == "/readyz":
-        ok = await daemon.ready()
-        return (200, text, b"ready\n") if ok else (503, text, b"not ready\n")
+        reason = await daemon.unready_reason()
+        if reason is None:
+            return 200, text, b"ready\n"
+        return 503, text, f"not ready: {reason}\n".encode()
     if path == "/metrics":
         body = daemon.metrics()
         if body is not None:
