@@ -16,9 +16,12 @@ MAX_KEY_BYTES = 1024
 MAX_ID_BYTES = 1024
 # AMQP short strings (topic as routing key, type, header names): 255 bytes.
 MAX_SHORTSTR_BYTES = 255
-# JSON nesting: orjson, which parses every payload relay handles, refuses
-# more than 1,024 levels.
-MAX_JSON_DEPTH = 1024
+# JSON nesting. Python's json module (SQLAlchemy's default serializer, and
+# relay's parser for integers past 64 bits) recurses once per level under
+# a recursion limit of 1,000 frames; orjson reads 1,024 levels and writes
+# 254 (deeper payloads go out through relay's own compaction). 512 levels
+# leave room for the callers' own frames on every path.
+MAX_JSON_DEPTH = 512
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKETS = re.compile(rb"[\[\]{}]")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
@@ -14,6 +15,14 @@ from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from relay.limits import (
+    MAX_JSON_DEPTH,
+    MAX_KEY_BYTES,
+    MAX_SHORTSTR_BYTES,
+    problem,
+    utf8_length,
+    value_depth,
+)
 from relay.schema import outbox
 
 _builtin_type = type
@@ -40,6 +49,7 @@ def _insert(
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise TypeError(f"header {name!r}: names and values must be strings")
+    _check_carried(topic, payload, key, type, headers)
     message_id = id if isinstance(id, uuid.UUID) else uuid.UUID(id) if id else uuid.uuid4()
     values: dict[str, Any] = {
         "id": message_id, "topic": topic, "key": key, "type": type,
@@ -66,6 +76,51 @@ def _dbapi(statement: sa.Insert) -> tuple[str, dict[str, Any]]:
 def _is_django(conn: Any) -> bool:
     """django.db.connection (a proxy) or a connection from django.db.connections."""
     return type(conn).__module__.startswith("django.") and hasattr(conn, "cursor")
+
+
+def _check_carried(
+    topic: str, payload: Any, key: str | None, type: str | None, headers: Mapping[str, str]
+) -> None:
+    """ValueError for what relay could store but not carry (relay.limits)."""
+    texts = [("topic", topic), ("key", key), ("type", type)]
+    texts += [(f"header name {n!r}", n) for n in headers]
+    texts += [(f"header {n!r}", v) for n, v in headers.items()]
+    for what, text in texts:
+        if text is not None and (why := problem(text)):
+            raise ValueError(f"{what} {why}: PostgreSQL's text cannot hold it")
+    for what, text in [("topic", topic), ("type", type), *texts[3:3 + len(headers)]]:
+        if text is not None and utf8_length(text) > MAX_SHORTSTR_BYTES:
+            raise ValueError(f"{what} is longer than {MAX_SHORTSTR_BYTES} bytes, the AMQP "
+                             "limit for a routing key, a type or a header name")
+    if key is not None and utf8_length(key) > MAX_KEY_BYTES:
+        raise ValueError(f"key is longer than {MAX_KEY_BYTES} bytes, relay's limit for an "
+                         "ordering key (it is indexed)")
+    depth = value_depth(payload)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"payload is nested more than {MAX_JSON_DEPTH} levels deep, "
+                         "relay's limit for JSON")
+    _check_json_values(payload)
+
+
+def _check_json_values(payload: Any) -> None:
+    """Strings jsonb cannot hold, and numbers JSON cannot write, anywhere in
+    the payload (iteratively: the depth is checked first)."""
+    stack = [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if why := problem(item):
+                raise ValueError(f"a string in the payload {why}: jsonb cannot hold it")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise ValueError(f"the payload holds {item!r}, which JSON cannot carry")
+        elif isinstance(item, dict):
+            for name, value in item.items():
+                if isinstance(name, str) and (why := problem(name)):
+                    raise ValueError(f"a key in the payload {why}: jsonb cannot hold it")
+                stack.append(value)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def enqueue(

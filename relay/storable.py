@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import re
-import sys
 from collections.abc import Mapping
 from datetime import datetime
 from decimal import Decimal
@@ -67,9 +66,11 @@ def loads(text: str | bytes) -> Any:
     than MAX_JSON_DEPTH, a NUL character PostgreSQL's jsonb cannot hold."""
     if isinstance(text, str) and not _LONG_DIGITS.search(text):
         try:
-            return orjson.loads(text)
+            value = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
             raise NotCarried(_json_problem(text, exc)) from None
+        _check_depth(text)
+        return value
     raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
     return _loads_exact(raw)
 
@@ -82,15 +83,20 @@ def _loads_exact(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise NotCarried(f"not valid UTF-8 ({exc})") from None
-    # Recursion goes one frame per level: make room for MAX_JSON_DEPTH.
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, MAX_JSON_DEPTH * 2 + 200))
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise NotCarried(f"not valid JSON ({exc})") from None
-    finally:
-        sys.setrecursionlimit(limit)
+
+
+def _check_depth(text: str | bytes) -> None:
+    """NotCarried for JSON nested past MAX_JSON_DEPTH (counted only when
+    there are that many brackets at all: one pass of C code otherwise)."""
+    opening = ("[", "{") if isinstance(text, str) else (b"[", b"{")
+    if text.count(opening[0]) + text.count(opening[1]) > MAX_JSON_DEPTH:  # type: ignore[arg-type]
+        depth = json_depth(text)
+        if depth > MAX_JSON_DEPTH:
+            raise NotCarried(_too_deep(depth))
 
 
 def _too_deep(depth: int) -> str:
@@ -107,6 +113,9 @@ def json_body(body: bytes) -> tuple[str | None, str | None]:
     """(JSON text, None) for a body jsonb will take, (None, why not) otherwise."""
     try:
         orjson.loads(body)
+        _check_depth(body)
+    except NotCarried as why:
+        return None, f"body is {why}"
     except orjson.JSONDecodeError as exc:
         problem = _json_problem(body, exc)
         if problem.startswith("JSON nested"):

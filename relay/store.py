@@ -41,7 +41,9 @@ NOTIFY_INBOX = "relay_inbox"
 
 # Claim due outbox rows in seq order, keeping per-key order:
 # - the inner filter skips rows that wait behind an earlier row of their key
-#   which is not due yet (backoff, delay) or, under --on-dead block, dead;
+#   which is not due yet (backoff, delay), has failed before (a key whose
+#   head failed goes head first and alone until the head is published or
+#   dead) or, under --on-dead block, is dead;
 # - the outer filter marks rows `blocked` whose key has an earlier pending
 #   row that another relay holds right now: they stay pending, and the
 #   relay holding the key's head publishes them later.
@@ -59,7 +61,7 @@ WITH locked AS (
               SELECT 1 FROM outbox e
               WHERE e.key = o.key AND e.seq < o.seq
                 AND e.status <> 'published' AND e.status <> 'dead'
-                AND e.available_at > now())
+                AND (e.available_at > now() OR e.attempts > 0))
           {dead}))
     ORDER BY o.seq
     LIMIT $1
@@ -143,7 +145,7 @@ WITH locked AS (
               SELECT 1 FROM inbox e
               WHERE e.consumer = i.consumer AND e.key = i.key AND e.seq < i.seq
                 AND e.status <> 'processed' AND e.status <> 'dead'
-                AND e.available_at > now())
+                AND (e.available_at > now() OR e.attempts > 0))
           {dead}))
     ORDER BY i.seq
     LIMIT :limit
@@ -387,7 +389,7 @@ class OutboxSession:
             if failures:
                 cursor = await conn.execute(MARK_OUTBOX_FAILED, {
                     "ids": [row.id for row, _, _ in failures],
-                    "errors": [f.error for _, f, _ in failures],
+                    "errors": [clean_error(f.error) for _, f, _ in failures],
                     "delays": [delay for _, _, delay in failures],
                     "permanent": [f.permanent for _, f, _ in failures],
                     "max_attempts": max_attempts,

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 
 import orjson
+import pytest
+import sqlalchemy as sa
 
+import relay
 from tests import amqp_raw
 from tests.conftest import rows, wait_until
 from tests.sqs_server import sqs, sqs_server  # noqa: F401 - fixtures
@@ -173,7 +177,7 @@ def test_a_content_header_pamqp_cannot_decode_becomes_an_empty_one_that_says_why
     assert header.properties.message_id == "id\udcff"  # lossless: surrogate escapes
     assert header.properties.timestamp == 2**63 - 1
     assert header.properties.headers == {"n\udcfe": "v"}
-    assert header.relay_raw.endswith(b"v")
+    assert b"\x02n\xfeS\x00\x00\x00\x01v" in header.relay_raw
 
     deep = amqp_raw.content_header(2, message_id="deep",
                                    headers={"d": amqp_raw.deep_table_value(3000)})
@@ -237,3 +241,168 @@ async def test_sqs_messages_whose_attributes_cannot_be_stored_are_kept_dead(
     daemon.stop()
     assert daemon.proc.returncode == 0
     wait_until(lambda: sqs.count(queue) == 0, timeout=30)
+
+
+# --------------------------------------------------------------------------
+# The outbox: enqueue refuses what relay cannot carry; rows that reach the
+# table anyway fail only themselves
+# --------------------------------------------------------------------------
+
+
+def _nested(depth: int, leaf=1):
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("arguments", "says"), [
+    ({"topic": "t\x00"}, "topic contains a NUL"),
+    ({"key": "k" * 1025}, "key is longer than 1024 bytes"),
+    ({"key": "k\ud800"}, "key is not valid UTF-8"),
+    ({"type": "T" * 256}, "type is longer than 255 bytes"),
+    ({"topic": "t" * 256}, "topic is longer than 255 bytes"),
+    ({"headers": {"h" * 256: "v"}}, "longer than 255 bytes"),
+    ({"headers": {"h": "v\x00"}}, "header 'h' contains a NUL"),
+    ({"payload": {"a": "\x00"}}, "a string in the payload contains a NUL"),
+    ({"payload": {"\x00": 1}}, "a key in the payload contains a NUL"),
+    ({"payload": [float("nan")]}, "JSON cannot carry"),
+    ({"payload": {"x": float("inf")}}, "JSON cannot carry"),
+    ({"payload": _nested(513)}, "nested more than 512 levels"),
+])
+def test_enqueue_refuses_what_relay_cannot_carry_and_writes_nothing(engine, arguments, says):
+    call = {"topic": "t", "payload": {}, **arguments}
+    with engine.begin() as conn, pytest.raises(ValueError, match=re.escape(says)):
+        relay.enqueue(conn, call.pop("topic"), call.pop("payload"), **call)
+    assert rows(engine, "SELECT count(*) FROM outbox")[0][0] == 0
+
+
+def test_enqueue_takes_what_relay_can_carry_at_its_limits(engine):
+    with engine.begin() as conn:
+        relay.enqueue(conn, "t" * 255, _nested(512), key="k" * 1024, type="T" * 255,
+                      headers={"h" * 255: "v" * 10_000})
+    assert rows(engine, "SELECT count(*) FROM outbox")[0][0] == 1
+
+
+async def test_outbox_once_fails_only_the_rows_it_cannot_carry(engine, rabbit, run_relay):
+    """Rows written by plain SQL that no broker can carry: each dead with a
+    reason, every other row of the batch published and marked, exit 0."""
+    queue = await rabbit.queue("#")
+    deep_300 = json.dumps(_nested(300, {"n": 12345678901234567890123}))
+    deep_1100 = "[" * 1100 + "1" + "]" * 1100
+    bad = {
+        "deep-1100": ("t", None, deep_1100, "{}", "nested 1100 levels"),
+        "headers-array": ("t", None, "{}", "[1]", "headers must be a JSON object"),
+        "header-number": ("t", None, "{}", '{"h": 1}', "headers must be strings"),
+        "long-topic": ("t" * 300, None, "{}", "{}", "longer than 255 bytes"),
+        "held-head": ("t", "held", deep_1100, "{}", "nested 1100 levels"),
+    }
+    with engine.begin() as conn:
+        relay.enqueue(conn, "t", {"n": 1})
+        for name, (topic, key, payload, headers, _) in bad.items():
+            conn.execute(sa.text(
+                "INSERT INTO outbox (topic, key, type, payload, headers) "
+                "VALUES (:topic, :key, :type, CAST(:payload AS jsonb), CAST(:headers AS jsonb))"),
+                {"topic": topic, "key": key, "type": name, "payload": payload,
+                 "headers": headers})
+        conn.execute(sa.text("INSERT INTO outbox (topic, type, payload) "
+                             "VALUES ('t', 'deep-300', CAST(:p AS jsonb))"), {"p": deep_300})
+        relay.enqueue(conn, "t", {"n": 2}, key="held", type="after-held-head")
+        relay.enqueue(conn, "t", {"n": 3})
+    result = run_relay("outbox", "--once", "--exchange", rabbit.exchange)
+    assert result.returncode == 0, result.stderr
+    got = await rabbit.drain(queue, 4)
+    # The row behind the dead head of its key waited for the head to be
+    # settled (dead: under --on-dead skip its key goes on), so it came last.
+    assert [m.type for m in got] == [None, "deep-300", None, "after-held-head"]
+    deep = next(m for m in got if m.type == "deep-300")
+    assert deep.body == deep_300.replace(" ", "").encode()  # compact, the big number exact
+    status = {t: (s, e) for t, s, e in rows(
+        engine, "SELECT type, status, last_error FROM outbox WHERE type IS NOT NULL")}
+    for name, (*_, says) in bad.items():
+        assert status[name][0] == "dead" and says in status[name][1], (name, status[name])
+    assert status["after-held-head"][0] == "published"
+    assert status["deep-300"][0] == "published"
+
+
+# --------------------------------------------------------------------------
+# Per-key order after a failure: the key goes head first and alone
+# --------------------------------------------------------------------------
+
+
+async def _rejecting_queue(rabbit, pattern: str):
+    """A queue that nacks every publish routed to it (length 0, reject-publish)."""
+    channel = await rabbit.connection.channel()
+    exchange = await channel.declare_exchange(rabbit.exchange, "topic", durable=True)
+    queue = await channel.declare_queue(
+        f"{rabbit.exchange}.rejecting", durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+    rabbit.queues.append(queue.name)
+    await queue.bind(exchange, pattern)
+    return channel, queue
+
+
+def _outbox(engine, key):
+    return rows(engine, "SELECT id, status, attempts FROM outbox WHERE key = :k ORDER BY seq",
+                k=key)
+
+
+@pytest.mark.parametrize("on_dead", ["skip", "block"])
+async def test_a_key_whose_head_keeps_failing_holds_its_later_rows(
+        engine, rabbit, start_relay, run_relay, on_dead):
+    """The head of key k is nacked again and again; rows of k committed after
+    its first failure wait (other keys flow), and once the head goes out
+    (fixed, or retried from dead) the key resumes in order."""
+    channel, rejecting = await _rejecting_queue(rabbit, "stuck")
+    ok = await rabbit.queue("later", "other")
+    with engine.begin() as conn:
+        head = relay.enqueue(conn, "stuck", {"n": 1}, key="k")
+    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.2",
+                         "--backoff-min", "0.2", "--backoff-max", "0.3", "--on-dead", on_dead,
+                         "--max-attempts", "4" if on_dead == "block" else "1000")
+    wait_until(lambda: _outbox(engine, "k")[0][2] >= 1)
+    with engine.begin() as conn:
+        later = [relay.enqueue(conn, "later", {"n": n}, key="k") for n in (2, 3)]
+        relay.enqueue(conn, "other", {"n": 4}, key="other")
+    [other] = await rabbit.drain(ok, 1)  # other keys flow
+    assert orjson.loads(other.body) == {"n": 4}
+    wait_until(lambda: _outbox(engine, "k")[0][2] >= 3)  # two more failures of the head
+    assert await ok.get(fail=False) is None  # and none of k's later rows went out
+    assert [r[1:] for r in _outbox(engine, "k")[1:]] == [("pending", 0), ("pending", 0)]
+
+    if on_dead == "block":  # dead after 4 attempts: the key stays held
+        wait_until(lambda: _outbox(engine, "k")[0][1] == "dead")
+        time.sleep(0.5)
+        assert [r[1:] for r in _outbox(engine, "k")[1:]] == [("pending", 0), ("pending", 0)]
+    # Fix the route: the head goes out on its next try (under block, once
+    # `relay retry` sends it again), then the rest of its key, in order.
+    fixed = await rabbit.queue("stuck", "later")
+    await rejecting.delete(if_unused=False, if_empty=False)
+    rabbit.queues.remove(rejecting.name)
+    await channel.close()
+    if on_dead == "block":
+        assert run_relay("retry", "outbox", "--id", str(head)).returncode == 0
+    got = await rabbit.drain(fixed, 3)
+    assert [m.message_id for m in got] == [str(head), *map(str, later)]
+    daemon.stop()
+    assert daemon.proc.returncode == 0
+
+
+async def test_inbox_dispatches_a_failing_heads_key_head_first(effects, rabbit, inbox):
+    """The same for the inbox: rows of a key that arrive while its head is
+    failing wait, untouched, until the head is dead (skip) and then run."""
+    inbox("--max-attempts", "4")
+    await rabbit.publish("t", b"{}", message_id="a-1", type="AlwaysFails",
+                         headers={"x-relay-key": "a"})
+    wait_until(lambda: rows(effects, "SELECT attempts >= 1 FROM inbox "
+                                     "WHERE message_id = 'a-1'") == [(True,)])
+    await rabbit.publish("t", b"{}", message_id="a-2", type="Effect",
+                         headers={"x-relay-key": "a"})
+    await rabbit.publish("t", b"{}", message_id="b-1", type="Effect",
+                         headers={"x-relay-key": "b"})
+    wait_until(lambda: effect_ids(effects) == ["b-1"])
+    assert rows(effects, "SELECT status, attempts FROM inbox WHERE message_id = 'a-2'") == [
+        ("pending", 0)]
+    wait_until(lambda: rows(effects, "SELECT status FROM inbox WHERE message_id = 'a-1'")
+               == [("dead",)])
+    wait_until(lambda: effect_ids(effects) == ["b-1", "a-2"])

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from relay.config import BrokerURL
+from relay.limits import MAX_JSON_DEPTH, json_depth
 from relay.rows import Failure, OutboxRow
 
 
@@ -112,13 +113,29 @@ _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[^"]+')
 
 
 def row_body(row: OutboxRow) -> bytes:
-    """The payload as compact UTF-8 JSON, every number exactly as stored."""
+    """The payload as compact UTF-8 JSON, every number exactly as stored;
+    BadMessage for one nested deeper than relay carries (MAX_JSON_DEPTH)."""
     if not _LONG_DIGITS.search(row.payload):
-        return orjson.dumps(orjson.loads(row.payload))
+        try:
+            return orjson.dumps(orjson.loads(row.payload))
+        except (orjson.JSONDecodeError, orjson.JSONEncodeError, TypeError):
+            pass  # nested past orjson's limits (254 levels written, 1,024 read)
+    depth = json_depth(row.payload)
+    if depth > MAX_JSON_DEPTH:
+        raise BadMessage(f"payload is JSON nested {depth} levels deep, over relay's limit "
+                         f"of {MAX_JSON_DEPTH} levels")
     return "".join(
         token if token[0] == '"' else token.replace(" ", "")
         for token in _JSON_TOKENS.findall(row.payload)
     ).encode()
+
+
+def encode_failure(exc: Exception) -> Failure:
+    """A row no broker can carry, whatever the encoder raised: dead at once."""
+    if isinstance(exc, BadMessage):
+        return Failure(str(exc), permanent=True)
+    return Failure(f"the row cannot be encoded for the broker: {type(exc).__name__}: {exc}",
+                   permanent=True)
 
 
 def check_topic(row: OutboxRow) -> None:

@@ -32,6 +32,7 @@ from relay.brokers import (
     Outcome,
     PublishResult,
     check_topic,
+    encode_failure,
     row_body,
     row_headers,
 )
@@ -290,11 +291,17 @@ class AmqpPublisher(_Client):
         # channel's lock, in the order the frames are written.
         async with channel.lock:
             batch = _Confirms(channel.create_future(), channel.delivery_tag + 1, message_ids)
+            held: set[str] = set()  # keys whose row failed here: their later rows wait
             for index, row in enumerate(rows):
+                if row.key is not None and row.key in held:
+                    results[index] = Outcome.RELEASE
+                    continue
                 try:
                     frames.append(self._encode(channel, row))
-                except BadMessage as exc:
-                    results[index] = Failure(str(exc), permanent=True)
+                except Exception as exc:  # noqa: BLE001 - whatever it is, it is this row's
+                    results[index] = encode_failure(exc)
+                    if row.key is not None:
+                        held.add(row.key)
                     continue
                 channel.delivery_tag += 1
                 channel.confirmations[channel.delivery_tag] = batch

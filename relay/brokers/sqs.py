@@ -39,6 +39,7 @@ from relay.brokers import (
     Outcome,
     PublishResult,
     check_topic,
+    encode_failure,
     row_body,
     row_headers,
 )
@@ -397,11 +398,17 @@ class SqsPublisher(_Adapter):
         await self.connect()
         results: list[PublishResult] = [None] * len(rows)
         by_topic: dict[str, list[_Entry]] = {}
+        held: set[str] = set()  # keys whose row failed here: their later rows wait
         for index, row in enumerate(rows):
+            if row.key is not None and row.key in held:
+                results[index] = Outcome.RELEASE
+                continue
             try:
                 entry = build_entry(row, index)
-            except BadMessage as exc:
-                results[index] = Failure(str(exc), permanent=True)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, it is this row's
+                results[index] = encode_failure(exc)
+                if row.key is not None:
+                    held.add(row.key)
                 continue
             by_topic.setdefault(row.topic, []).append(entry)
 
