@@ -91,7 +91,7 @@ class HandlerRegistry:
         return len(self._handlers)
 
 
-def is_async(fn: Handler) -> bool:
+def is_async(fn: Handler | None) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)
     )

@@ -99,11 +99,11 @@ class Pace:
     ) -> None:
         self.lead = max(0, self.lead - rows)
         self._caught_up_since[worker] = stored_before_claim if caught_up else None
-        since = self._caught_up_since
-        if all(s is not None for s in since):
+        since = [s for s in self._caught_up_since if s is not None]
+        if len(since) == len(self._caught_up_since):
             # Every share was caught up: at most what was stored since the
             # earliest of those claims began is still to handle.
-            self.lead = min(self.lead, self.stored_total - min(since))  # type: ignore[type-var]
+            self.lead = min(self.lead, self.stored_total - min(since))
         self.changed.set()
 
     def attach(self) -> None:

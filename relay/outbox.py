@@ -250,10 +250,11 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     from relay.maintenance import run_scheduler
     from relay.store import NOTIFY_OUTBOX, Listener
 
-    assert settings.broker is not None
+    broker = settings.broker
+    assert broker is not None
     tracing.setup("relay-outbox")
     store = Store(settings.database_url, pool_size=2)
-    publisher = make_publisher(settings.broker, exchange=settings.exchange)
+    publisher = make_publisher(broker, exchange=settings.exchange)
     relay = OutboxRelay(settings, store, publisher)
     probe_lock = asyncio.Lock()
 
@@ -274,7 +275,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         async with probe_lock:
             if publisher.connected:
                 return True
-            probe = make_publisher(settings.broker, exchange=settings.exchange)
+            probe = make_publisher(broker, exchange=settings.exchange)
             try:
                 await probe.connect()
                 return True

@@ -145,9 +145,10 @@ def enqueue(
     if isinstance(conn, psycopg.Connection):
         conn.execute(*_dbapi(statement))
     elif _is_django(conn):
-        if getattr(conn, "vendor", "postgresql") != "postgresql":
-            raise TypeError(f"relay.enqueue needs a PostgreSQL database, not {conn.vendor}")
-        with conn.cursor() as cursor:
+        django: Any = conn  # Django is not a dependency: typed by duck
+        if getattr(django, "vendor", "postgresql") != "postgresql":
+            raise TypeError(f"relay.enqueue needs a PostgreSQL database, not {django.vendor}")
+        with django.cursor() as cursor:
             cursor.execute(*_dbapi(statement))
     else:  # SQLAlchemy's Connection, Session, scoped_session...
         conn.execute(statement)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,7 +75,7 @@ class Consumer(Protocol):
     async def connect(self) -> None:
         """Connect and declare what is needed; raises BrokerUnavailable."""
 
-    def batches(self, max_size: int, max_wait: float) -> AsyncIterator[list[Incoming]]:
+    def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
         """Batches of received messages, in delivery order."""
 
     async def ack(self, batch: Sequence[Incoming]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import aio_pika
@@ -467,7 +467,7 @@ class AmqpConsumer(_Client):
             BrokerUnavailable(f"RabbitMQ channel closed: {exc}")
         )
 
-    async def batches(self, max_size: int, max_wait: float) -> AsyncIterator[list[Incoming]]:
+    async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
         while True:
             await self.connect()
             received = self._received

@@ -131,6 +131,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    frame._unmarshal_header_frame = _wrap_header(frame._unmarshal_header_frame)  # type: ignore[attr-defined]
-    frame._unmarshal_method_frame = _wrap_method(frame._unmarshal_method_frame)  # type: ignore[attr-defined]
+    frame._unmarshal_header_frame = _wrap_header(frame._unmarshal_header_frame)  # type: ignore[assignment]
+    frame._unmarshal_method_frame = _wrap_method(frame._unmarshal_method_frame)  # type: ignore[assignment]
     _installed = True

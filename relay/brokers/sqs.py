@@ -23,7 +23,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -698,7 +698,7 @@ class SqsConsumer(_Adapter):
             abandoned.set()
             raise
 
-    async def batches(self, max_size: int, max_wait: float) -> AsyncIterator[list[Incoming]]:
+    async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
         loop = asyncio.get_running_loop()
         while True:
             await self.connect()
