@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +98,6 @@ class OwnNode:
 
         def answers() -> bool:
             with contextlib.suppress(OSError):
-                import socket
-
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return True
             return False
@@ -108,7 +106,7 @@ class OwnNode:
 
     def ctl(self, *args: str) -> str:
         done = subprocess.run(["rabbitmqctl", "-n", self.name, *args], capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
@@ -118,7 +116,7 @@ class OwnNode:
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             subprocess.run(["rabbitmqctl", "-n", self.name, "stop"], capture_output=True,
-                           timeout=60)
+                           timeout=60, check=False)
         shutil.rmtree(self.base, ignore_errors=True)
 
 
@@ -385,7 +383,7 @@ async def test_a_memory_alarm_pauses_publishing_uncounted_says_why_and_resumes(
             relay.enqueue(conn, "alarm.during", {})
         wait_until(lambda: http_get(port, "/readyz")[0] == 503, timeout=30,
                    message="/readyz 503 while blocked")
-        status, body = http_get(port, "/readyz")
+        _, body = http_get(port, "/readyz")
         assert "blocks publishing" in body and "memory" in body.lower(), body
         assert "RabbitMQ blocked the connection" in daemon.log
         assert statuses(engine) == [("published", 0), ("pending", 0)]
