@@ -180,8 +180,8 @@ def schema_sql() -> None:
 @cli.command()
 @_daemon_options
 @click.option("--once", is_flag=True, help="publish every row due now, then exit 0")
-@option("--on-unroutable", type=click.Choice(["publish", "fail"]), default="publish",
-        show_default=True,
+# Checked by the settings (one line on stderr), not by click (a usage block).
+@option("--on-unroutable", metavar="publish|fail", default="publish", show_default=True,
         help="RabbitMQ: a message no queue is bound for is published (and counted) "
              "or a failed attempt")
 def outbox(once: bool, **kwargs: Any) -> None:
@@ -206,7 +206,7 @@ def outbox(once: bool, **kwargs: Any) -> None:
         help="unacknowledged messages the broker may send ahead")
 @option("--handler-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
         show_default=True, help="seconds; a handler running longer fails that attempt")
-@option("--queue-type", type=click.Choice(["classic", "quorum"]), default=None,
+@option("--queue-type", metavar="classic|quorum", default=None,
         help="RabbitMQ queue type when relay declares the queue [default: classic]")
 @option("--queue-arg", "queue_args", multiple=True, metavar="NAME=VALUE",
         help="RabbitMQ queue argument when relay declares the queue (repeatable; "

@@ -346,7 +346,8 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         unready=lambda: (f"the broker blocks publishing ({publisher.blocked}): "
                          "a RabbitMQ resource alarm" if publisher.blocked is not None else None),
         metrics=relay.metrics.render,
-        progress=lambda: relay.last_progress,
+        # Waiting out a broker's resource alarm is not a stall.
+        progress=lambda: time.monotonic() if publisher.blocked else relay.last_progress,
         stall_after=STALL_AFTER + settings.poll_interval,
         on_stop=[publisher.close, relay.close, store.close, tracing.flush],
     )
