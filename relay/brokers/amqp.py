@@ -441,8 +441,9 @@ class AmqpPublisher(_Client):
             broken = asyncio.CancelledError()
         except Exception as exc:  # the channel or connection closed first
             broken = exc
-        for tag in range(batch.first, batch.first + len(indexes)):
-            self._returned.pop(tag, None)
+        if self._returned:  # returns whose ack never came (the connection broke)
+            for tag in range(batch.first, batch.first + len(indexes)):
+                self._returned.pop(tag, None)
         for index, outcome in zip(indexes, batch.outcomes, strict=True):
             message_ids.pop(rows[index].id, None)
             if outcome is None:
