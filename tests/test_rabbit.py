@@ -298,6 +298,8 @@ def test_every_node_password_is_redacted():
     broker = BrokerURL.parse(url)
     assert broker.nodes == ("amqp://u:first-secret@a:5672/", "amqp://v:second-secret@b:5672/vh")
     assert "secret" not in repr(broker)
+    # A PostgreSQL multi-host URL (commas inside one URL) is masked as before.
+    assert redact_url("postgresql://u:pw@h1:5432,h2:5432/db") == "postgresql://u:***@h1:5432,h2:5432/db"
     with pytest.raises(ConfigError) as refused:
         BrokerURL.parse("amqp://u:first-secret@a:5672/,sqs://")
     assert "secret" not in str(refused.value) and "only amqp://" in str(refused.value)

@@ -187,3 +187,21 @@ async def test_one_trace_runs_from_the_producers_request_to_the_handlers_sql(
     assert send.parent.span_id == request_context.span_id
     assert process.parent.span_id == request_context.span_id  # the wire's traceparent
     assert work.parent.span_id == process.context.span_id
+
+
+def test_enqueue_adds_the_current_context_only_inside_a_span_and_never_over_the_apps_own():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from relay import tracing
+
+    headers: dict[str, str] = {}
+    tracing.add_current_context(headers)
+    assert headers == {}  # no span: nothing to continue
+    with TracerProvider().get_tracer("app").start_as_current_span("request") as span:
+        given = {"traceparent": TRACEPARENT}
+        tracing.add_current_context(given)
+        assert given == {"traceparent": TRACEPARENT}
+        tracing.add_current_context(headers)
+    context = span.get_span_context()
+    assert headers["traceparent"].startswith(
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-")
