@@ -61,7 +61,8 @@ def _common(f: F) -> F:
 def _daemon_options(f: F) -> F:
     for decorator in reversed([
         option("--broker-url", required=True,
-               help="amqp://user:pass@host:port/vhost or sqs://[?region=..&endpoint_url=..]"),
+               help="amqp://user:pass@host:port/vhost (several RabbitMQ nodes: comma-separated) "
+                    "or sqs://[?region=..&endpoint_url=..]"),
         option("--batch-size", type=click.IntRange(min=1), default=500, show_default=True,
                help="rows claimed per batch"),
         option("--poll-interval", type=click.FloatRange(min=0, min_open=True), default=1.0,
@@ -92,7 +93,7 @@ def _daemon_options(f: F) -> F:
 def _setup_logs(kwargs: dict[str, Any]) -> None:
     secrets = [
         config.url_password(kwargs.get("database_url")),
-        config.url_password(kwargs.get("broker_url")),
+        *config.url_passwords(kwargs.get("broker_url")),
     ]
     logs.setup(kwargs.pop("log_level", "INFO"), kwargs.pop("log_format", "text"),
                [s for s in secrets if s])
@@ -179,6 +180,10 @@ def schema_sql() -> None:
 @cli.command()
 @_daemon_options
 @click.option("--once", is_flag=True, help="publish every row due now, then exit 0")
+# Checked by the settings (one line on stderr), not by click (a usage block).
+@option("--on-unroutable", metavar="publish|fail", default="publish", show_default=True,
+        help="RabbitMQ: a message no queue is bound for is published (and counted) "
+             "or a failed attempt")
 def outbox(once: bool, **kwargs: Any) -> None:
     """The outbox relay: publish committed outbox rows to the broker."""
     _setup_logs(kwargs)
@@ -201,6 +206,11 @@ def outbox(once: bool, **kwargs: Any) -> None:
         help="unacknowledged messages the broker may send ahead")
 @option("--handler-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
         show_default=True, help="seconds; a handler running longer fails that attempt")
+@option("--queue-type", metavar="classic|quorum", default=None,
+        help="RabbitMQ queue type when relay declares the queue [default: classic]")
+@option("--queue-arg", "queue_args", multiple=True, metavar="NAME=VALUE",
+        help="RabbitMQ queue argument when relay declares the queue (repeatable; "
+             "an integer value is sent as one), e.g. x-max-length=100000")
 def inbox(**kwargs: Any) -> None:
     """The inbox daemon: consume a queue into the inbox table and dispatch rows to handlers."""
     _setup_logs(kwargs)
@@ -208,6 +218,7 @@ def inbox(**kwargs: Any) -> None:
     from relay.inbox import serve_inbox
 
     kwargs["binds"] = tuple(kwargs["binds"])
+    kwargs["queue_args"] = tuple(kwargs["queue_args"])
     kwargs["consumer_name"] = kwargs["consumer_name"] or ""
     specs = tuple(kwargs.pop("handlers"))
     settings = _build(config.InboxSettings, **_daemon_settings(kwargs))

@@ -36,8 +36,24 @@ def parse_duration(text: str | float | int) -> float:
     return seconds
 
 
+# Where a list of broker URLs (`amqp://a/,amqp://b/`) starts its next URL.
+_NEXT_URL = re.compile(r",(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
+def split_urls(url: str) -> list[str]:
+    """The URLs of a comma-separated list (one URL gives a list of one)."""
+    return [part.strip() for part in _NEXT_URL.split(url)]
+
+
 def redact_url(url: str) -> str:
-    """The URL with its password replaced by ***, for logs and errors."""
+    """The URL (or each URL of a comma-separated list) with its password
+    replaced by ***, for logs and errors."""
+    if _NEXT_URL.search(url):
+        return ",".join(_redact_one(part) for part in _NEXT_URL.split(url))
+    return _redact_one(url)
+
+
+def _redact_one(url: str) -> str:
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
@@ -68,6 +84,13 @@ def url_password(url: str | None) -> str | None:
     return urllib.parse.unquote(password) if password else None
 
 
+def url_passwords(url: str | None) -> list[str]:
+    """The passwords of a URL or of each URL of a comma-separated list."""
+    if not url:
+        return []
+    return [p for p in (url_password(part) for part in split_urls(url)) if p]
+
+
 def normalize_database_url(url: str) -> str:
     """A SQLAlchemy URL for psycopg 3, or ConfigError for anything else."""
     if not url:
@@ -96,11 +119,28 @@ class BrokerURL:
     kind: str  # "amqp" or "sqs"
     sqs_region: str | None = None
     sqs_endpoint_url: str | None = None
+    # RabbitMQ: the nodes to try, in order (`url` may list several).
+    nodes: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, url: str | None) -> BrokerURL:
         if not url:
             raise ConfigError("no broker URL: set --broker-url or RELAY_BROKER_URL")
+        urls = split_urls(url)
+        if len(urls) > 1:
+            nodes = [cls._parse_one(part) for part in urls]
+            if any(node.kind != "amqp" for node in nodes):
+                raise ConfigError(
+                    f"invalid broker URL {redact_url(url)!r}: only amqp:// URLs can be "
+                    "listed (several RabbitMQ nodes, separated by commas)"
+                )
+            return cls(url=url, kind="amqp", nodes=tuple(urls))
+        return cls._parse_one(url)
+
+    @classmethod
+    def _parse_one(cls, url: str) -> BrokerURL:
+        if not url:
+            raise ConfigError("invalid broker URL: an empty URL in the list")
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -109,7 +149,12 @@ class BrokerURL:
         if parts.scheme in ("amqp", "amqps"):
             if not parts.hostname:
                 raise ConfigError(f"invalid broker URL {redact_url(url)!r}: no host")
-            return cls(url=url, kind="amqp")
+            if "," in url:
+                raise ConfigError(
+                    f"invalid broker URL {redact_url(url)!r}: a comma outside a list of "
+                    "URLs (list nodes as amqp://u:p@a:5672/,amqp://u:p@b:5672/)"
+                )
+            return cls(url=url, kind="amqp", nodes=(url,))
         if parts.scheme == "sqs":
             query = urllib.parse.parse_qs(parts.query)
             unknown = set(query) - {"region", "endpoint_url"}
@@ -178,7 +223,7 @@ class DaemonSettings:
         """Strings that must never reach a log line."""
         found = [url_password(self.database_url)]
         if self.broker:
-            found.append(url_password(self.broker.url))
+            found.extend(url_passwords(self.broker.url))
         return [s for s in found if s]
 
     def replace(self, **changes: object) -> DaemonSettings:
@@ -192,6 +237,17 @@ class DaemonSettings:
 class OutboxSettings(DaemonSettings):
     """`relay outbox`."""
 
+    # RabbitMQ: a message the broker confirms but returns unroutable is
+    # "publish"ed (and counted) or a "fail"ed attempt.
+    on_unroutable: str = "publish"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.on_unroutable not in ("publish", "fail"):
+            raise ConfigError(
+                f"invalid --on-unroutable {self.on_unroutable!r}: use publish or fail"
+            )
+
 
 @dataclass(frozen=True, repr=False)
 class InboxSettings(DaemonSettings):
@@ -204,11 +260,32 @@ class InboxSettings(DaemonSettings):
     consumer_name: str = ""
     prefetch: int = 1000
     handler_timeout: float = 60.0
+    # RabbitMQ, used when relay declares the queue. None: not asked for, so a
+    # queue its owner declared otherwise is used as it is.
+    queue_type: str | None = None
+    queue_args: tuple[tuple[str, str | int], ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.queue:
             raise ConfigError("no queue: set --queue or RELAY_QUEUE")
+        if self.queue_type not in (None, "classic", "quorum"):
+            raise ConfigError(f"invalid --queue-type {self.queue_type!r}: use classic or quorum")
+        object.__setattr__(self, "queue_args", tuple(
+            parse_queue_arg(arg) if isinstance(arg, str) else arg for arg in self.queue_args
+        ))
+        asked = dict(self.queue_args).get("x-queue-type")
+        if asked is not None and self.queue_type is not None and asked != self.queue_type:
+            raise ConfigError(
+                f"--queue-arg x-queue-type={asked} contradicts --queue-type {self.queue_type}"
+            )
+        if self.broker is not None and self.broker.kind == "sqs" and (
+            self.queue_type == "quorum" or self.queue_args
+        ):
+            raise ConfigError(
+                "--queue-type and --queue-arg apply to RabbitMQ only: an SQS queue's "
+                "attributes are set where it is created"
+            )
         if self.binds and self.broker is not None and self.broker.kind == "sqs":
             raise ConfigError(
                 "--bind applies to RabbitMQ only: an SQS queue receives what is sent to it "
@@ -218,6 +295,27 @@ class InboxSettings(DaemonSettings):
             object.__setattr__(self, "consumer_name", self.queue)
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
+
+
+_INTEGER = re.compile(r"^[+-]?[0-9]+$")
+
+
+def parse_queue_arg(text: str) -> tuple[str, str | int]:
+    """`NAME=VALUE` of --queue-arg: a value that is an integer as an int."""
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ConfigError(
+            f"invalid --queue-arg {text!r}: use NAME=VALUE (e.g. x-max-length=10000)"
+        )
+    if len(name.encode()) > 255:
+        raise ConfigError(f"invalid --queue-arg {name[:40]!r}...: the name is over 255 bytes")
+    if not _INTEGER.match(value.strip()):
+        return name, value
+    number = int(value)
+    if not -(2**63) <= number < 2**63:
+        raise ConfigError(f"invalid --queue-arg {text!r}: the integer is out of AMQP's range")
+    return name, number
 
 
 def _positive(name: str, value: float) -> None:

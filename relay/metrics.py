@@ -7,6 +7,7 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_outbox_published_total | counter | rows confirmed by the broker |
 | relay_outbox_failed_total | counter | failed publish attempts (retried or dead) |
 | relay_outbox_dead_total | counter | rows that became dead |
+| relay_outbox_unroutable_total{topic} | counter | rows RabbitMQ confirmed but no queue was bound for (published under --on-unroutable publish) |
 | relay_outbox_deleted_total | counter | published rows deleted by retention |
 | relay_outbox_pending | gauge | pending rows in the table |
 | relay_outbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
@@ -58,6 +59,11 @@ class OutboxMetrics:
             "relay_outbox_failed", "Failed publish attempts (rows retried or dead)", registry=r
         )
         self.dead = Counter("relay_outbox_dead", "Outbox rows that became dead", registry=r)
+        self.unroutable = Counter(
+            "relay_outbox_unroutable",
+            "Outbox rows the broker confirmed but could route to no queue, by topic",
+            ["topic"], registry=r,
+        )
         self.deleted = Counter(
             "relay_outbox_deleted", "Published outbox rows deleted by retention", registry=r
         )

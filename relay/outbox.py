@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 WORKERS = 4
 # How long a worker waits when every row it locked waits on another worker.
 BLOCKED_RETRY = 0.005
+# Unroutable messages are logged once per topic per this many seconds.
+UNROUTABLE_LOG_INTERVAL = 60.0
 
 
 class OutboxRelay:
@@ -60,6 +62,8 @@ class OutboxRelay:
         self._sessions: dict[int, OutboxSession] = {}
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
+        # topic -> (when it was last logged, unroutable rows since)
+        self._unroutable: dict[str, tuple[float, int]] = {}
 
     def wake(self) -> None:
         """Rows were committed (a notification). Each busy worker claims
@@ -122,6 +126,9 @@ class OutboxRelay:
             for row, result in zip(rows, results, strict=True):
                 if result is None:
                     published.append(row)
+                elif result is Outcome.UNROUTABLE:
+                    published.append(row)
+                    self._note_unroutable(row)
                 elif isinstance(result, Failure):
                     failed.append((row, result, self.backoff.delay(row.attempts + 1)))
             statuses = await session.finish([row.id for row in published], failed,
@@ -147,6 +154,26 @@ class OutboxRelay:
         if Outcome.RELEASE in results and not self.publisher.connected:
             raise BrokerUnavailable("connection lost before every confirm arrived")
         return len(rows), blocked
+
+    def _note_unroutable(self, row: OutboxRow) -> None:
+        """Count a row published although no queue took it; log it once per
+        topic per UNROUTABLE_LOG_INTERVAL, not once per message."""
+        self.metrics.unroutable.labels(row.topic).inc()
+        now = time.monotonic()
+        logged, since = self._unroutable.get(row.topic, (-UNROUTABLE_LOG_INTERVAL, 0))
+        if now - logged < UNROUTABLE_LOG_INTERVAL:
+            self._unroutable[row.topic] = (logged, since + 1)
+            return
+        if len(self._unroutable) >= 10_000:  # topics without end: forget the old ones
+            self._unroutable.clear()
+        self._unroutable[row.topic] = (now, 0)
+        log.warning(
+            "unroutable: no queue is bound to exchange %r for topic %r; published anyway "
+            "(%d more since the last notice; relay_outbox_unroutable_total counts them; "
+            "--on-unroutable fail makes them failed attempts)",
+            self.settings.exchange, row.topic, since,
+            extra={"action": "unroutable", "message_id": row.id, "topic": row.topic},
+        )
 
     def _start_spans(self, rows: list[OutboxRow]) -> list[Any]:
         """A PRODUCER span per row, each continuing its row's traceparent."""
@@ -195,6 +222,10 @@ class OutboxRelay:
             # A scout claims every key's rows: it stands in for the idle
             # workers, whose shares of the keys it covers, for one claim.
             scout = worker in self._scouts
+            if self.publisher.blocked is not None:
+                # A resource alarm: wait, holding no rows, counting nothing.
+                await self._until_unblocked()
+                continue
             try:
                 done, blocked = await self.publish_batch(worker, WORKERS, every_key=scout)
                 failures = 0
@@ -230,6 +261,15 @@ class OutboxRelay:
             finally:
                 self._idle.discard(worker)
 
+    async def _until_unblocked(self) -> None:
+        waiter = asyncio.ensure_future(self.publisher.wait_unblocked())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            stop.cancel()
+
     async def _wait(self, event: asyncio.Event, timeout: float) -> None:
         try:
             await asyncio.wait_for(event.wait(), timeout)
@@ -254,7 +294,8 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     assert broker is not None
     tracing.setup("relay-outbox")
     store = Store(settings.database_url, pool_size=2)
-    publisher = make_publisher(broker, exchange=settings.exchange)
+    publisher = make_publisher(broker, exchange=settings.exchange,
+                               on_unroutable=settings.on_unroutable)
     relay = OutboxRelay(settings, store, publisher)
     probe_lock = asyncio.Lock()
 
@@ -303,8 +344,11 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         stop=relay.stop,
         background=background,
         ready=ready,
+        unready=lambda: (f"the broker blocks publishing ({publisher.blocked}): "
+                         "a RabbitMQ resource alarm" if publisher.blocked is not None else None),
         metrics=relay.metrics.render,
-        progress=lambda: relay.last_progress,
+        # Waiting out a broker's resource alarm is not a stall.
+        progress=lambda: time.monotonic() if publisher.blocked else relay.last_progress,
         stall_after=STALL_AFTER + settings.poll_interval,
         on_stop=[publisher.close, relay.close, store.close, tracing.flush],
     )

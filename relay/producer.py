@@ -15,6 +15,7 @@ from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from relay import tracing
 from relay.limits import (
     MAX_JSON_DEPTH,
     MAX_KEY_BYTES,
@@ -49,6 +50,7 @@ def _insert(
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise TypeError(f"header {name!r}: names and values must be strings")
+    tracing.add_current_context(headers)
     _check_carried(topic, payload, key, type, headers)
     message_id = id if isinstance(id, uuid.UUID) else uuid.UUID(id) if id else uuid.uuid4()
     values: dict[str, Any] = {

@@ -304,6 +304,7 @@ class LocalReceiver:
         self.consumer = make_consumer(
             settings.broker, queue=settings.queue, exchange=settings.exchange,
             binds=settings.binds, prefetch=settings.prefetch,
+            queue_type=settings.queue_type, queue_args=settings.queue_args,
         )
         self.writer = InboxWriter(settings.database_url)
         self.receiver = Receiver(settings, self.writer, self.consumer, pace, report)

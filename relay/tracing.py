@@ -11,6 +11,11 @@ standard OTEL_* variables, as `opentelemetry-instrument` would, and trace:
   message's `traceparent`, around its handler, which runs inside it (the
   handler's own spans and log lines belong to it).
 
+On the producer's side, `relay.enqueue` adds the app's current context
+(`traceparent`, and `tracestate`/`baggage` when set) to the row's headers
+when the app runs inside a span and gave no `traceparent` itself: that needs
+only OpenTelemetry's API, which the app has if it traces.
+
 Attributes follow OpenTelemetry's messaging semantic conventions. Without
 the SDK, or with OTEL_TRACES_EXPORTER unset or `none`, nothing here runs
 per message: `enabled` is False and the loops skip it.
@@ -79,6 +84,33 @@ def shutdown() -> None:
 async def flush() -> None:
     """shutdown() for a daemon's on_stop list."""
     shutdown()
+
+
+_propagation: Any = None  # (get_current_span, inject) once looked up; False: no OpenTelemetry
+
+
+def add_current_context(headers: dict[str, str]) -> None:
+    """Put the caller's current trace context into an outbox row's headers,
+    unless they carry a traceparent already or no span is current."""
+    global _propagation
+    if _propagation is None:
+        try:
+            from opentelemetry.propagate import inject
+            from opentelemetry.trace import get_current_span
+        except ImportError:
+            _propagation = False
+        else:
+            _propagation = (get_current_span, inject)
+    if not _propagation or "traceparent" in headers:
+        return
+    get_current_span, inject = _propagation
+    if not get_current_span().get_span_context().is_valid:
+        return
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    for name, value in carrier.items():
+        if isinstance(value, str):
+            headers.setdefault(name, value)
 
 
 def _parent(headers: Mapping[str, Any] | None) -> Any:

@@ -120,6 +120,8 @@ class AmqpBroker:
         self.exchange = rabbit.exchange
         self.env: dict[str, str] = {}
         self.outbox_args = ["--exchange", rabbit.exchange]
+        # No queue bound for a topic: a failure only when asked (pub/sub by default).
+        self.missing_args = ["--on-unroutable", "fail"]
         self.unreachable_url = "amqp://guest:s3cret@127.0.0.1:1/"
 
     def topic(self, base: str, *, ordered: bool = False) -> str:
@@ -187,6 +189,7 @@ class AmqpBroker:
 
     async def fail_one_entry(self, publisher: Any, topic: str, marker: str) -> str:
         """The topic for a row that fails while its batch mates go through."""
+        publisher.on_unroutable = "fail"  # by default an unroutable message is published
         return topic + ".nowhere"  # unroutable: returned by the broker (mandatory)
 
     def check_failed_entry(self, status: str, error: str) -> None:
@@ -206,6 +209,7 @@ class SqsBroker:
         self.exchange = "relay"
         self.env = {"RELAY_BROKER_URL": "sqs://", **sqs.env}
         self.outbox_args: list[str] = []
+        self.missing_args: list[str] = []
         self.unreachable_url = "sqs://?endpoint_url=http://127.0.0.1:1"
 
     def topic(self, base: str, *, ordered: bool = False) -> str:
@@ -478,7 +482,7 @@ async def test_missing_destination_names_it_then_dies_at_max_attempts(
     topic = broker.topic("nowhere")
     with engine.begin() as conn:
         relay.enqueue(conn, topic, {"x": 1})
-    args = ["outbox", "--once", *broker.outbox_args, "--backoff-min", "30",
+    args = ["outbox", "--once", *broker.outbox_args, *broker.missing_args, "--backoff-min", "30",
             "--backoff-max", "60", "--max-attempts", "2"]
     result = run_relay(*args)
     assert result.returncode == 0, result.stderr

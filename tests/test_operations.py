@@ -517,7 +517,7 @@ async def test_json_logs_carry_ids_topic_action_and_the_handlers_own_lines_the_t
         failing_id = relay.enqueue(conn, "logs.y", {}, type="AlwaysFails")
         unroutable_id = relay.enqueue(conn, "nowhere", {})
     outbox = run_relay("outbox", "--once", "--exchange", rabbit.exchange, "--log-format", "json",
-                       "--max-attempts", "1")
+                       "--max-attempts", "1", "--on-unroutable", "fail")
     assert outbox.returncode == 0, outbox.stderr
     outbox_lines = json_lines(outbox.stderr)
     [failed] = [line for line in outbox_lines if line.get("action") == "publish_failed"]

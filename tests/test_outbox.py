@@ -254,11 +254,14 @@ async def test_the_listen_connection_shows_as_relay_like_the_others(
     assert listening() == [("relay",)]
 
 
-async def test_unroutable_topic_fails_with_backoff_then_dies(engine, rabbit, run_relay):
+async def test_unroutable_topic_under_on_unroutable_fail_fails_with_backoff_then_dies(
+    engine, rabbit, run_relay
+):
     with engine.begin() as conn:
         relay.enqueue(conn, "no.binding", {"x": 1})
     result = run_relay("outbox", "--once", "--exchange", rabbit.exchange,
-                       "--backoff-min", "30", "--backoff-max", "60", "--max-attempts", "2")
+                       "--backoff-min", "30", "--backoff-max", "60", "--max-attempts", "2",
+                       env={"RELAY_ON_UNROUTABLE": "fail"})
     assert result.returncode == 0, result.stderr
     [(status, attempts, error, delay)] = rows(
         engine, "SELECT status, attempts, last_error, "
@@ -270,7 +273,7 @@ async def test_unroutable_topic_fails_with_backoff_then_dies(engine, rabbit, run
     # Due again: the second failure reaches --max-attempts.
     rows(engine, "UPDATE outbox SET available_at = now()")
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange,
-                     "--max-attempts", "2").returncode == 0
+                     "--max-attempts", "2", "--on-unroutable", "fail").returncode == 0
     [(status, attempts)] = rows(engine, "SELECT status, attempts FROM outbox")
     assert (status, attempts) == ("dead", 2)
 
@@ -291,7 +294,7 @@ async def test_a_nack_fails_only_its_rows_and_a_return_only_its_own(engine, rabb
         lost = relay.enqueue(conn, "no.binding", {"n": 4})
         ids += [relay.enqueue(conn, "ok", {"n": n}) for n in range(5, 8)]
     result = run_relay("outbox", "--once", "--exchange", rabbit.exchange,
-                       "--backoff-min", "30", "--backoff-max", "60")
+                       "--backoff-min", "30", "--backoff-max", "60", "--on-unroutable", "fail")
     assert result.returncode == 0, result.stderr
     outcome = {r[0]: r[1:] for r in rows(engine, "SELECT id, status, attempts, last_error "
                                                  "FROM outbox")}

@@ -102,3 +102,106 @@ async def test_outbox_span_continues_the_row_trace(engine, rabbit, run_relay):
     assert span["status"]["status_code"] == "UNSET"
     others = [s for i, s in found.items() if i != traced_id]
     assert others[0]["parent_id"] is None
+
+
+# --------------------------------------------------------------------------
+# The whole trace, in this process, with the SDK's in-memory exporter
+# --------------------------------------------------------------------------
+
+
+async def test_one_trace_runs_from_the_producers_request_to_the_handlers_sql(
+        effects, rabbit, monkeypatch):
+    """enqueue inside the app's span, then the outbox and inbox daemons (run
+    here, on this event loop, so that their spans reach the exporter): every
+    span is of the request's trace, and the handler's work is a child of
+    the inbox's CONSUMER span."""
+    import asyncio
+
+    import sqlalchemy as sa
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    import relay
+    from relay import tracing
+    from relay.config import BrokerURL, InboxSettings, OutboxSettings
+    from relay.inbox import inbox_service
+    from relay.lifecycle import EXIT_OK, Daemon
+    from relay.outbox import outbox_service
+    from tests.conftest import AMQP_URL
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # What tracing.setup() does from OTEL_*, with this provider instead.
+    monkeypatch.setattr(tracing, "enabled", True)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("relay"))
+    app = provider.get_tracer("app")
+
+    registry = relay.HandlerRegistry()
+
+    @registry.handler("Traced")
+    def traced(message: relay.Message, conn: sa.Connection) -> None:
+        with app.start_as_current_span("handler sql"):
+            conn.execute(sa.text("INSERT INTO effects (message_id) VALUES (:m)"),
+                         {"m": message.id})
+
+    with app.start_as_current_span("POST /orders", kind=SpanKind.SERVER) as request, \
+            effects.begin() as conn:
+        message_id = relay.enqueue(conn, "traced.order", {"n": 1}, type="Traced")
+    [(headers,)] = rows(effects, "SELECT headers FROM outbox")
+    request_context = request.get_span_context()
+    assert headers["traceparent"].startswith(
+        f"00-{request_context.trace_id:032x}-{request_context.span_id:016x}-")
+
+    broker = BrokerURL.parse(AMQP_URL)
+    database = str(effects.url.render_as_string(hide_password=False))
+    inbox = Daemon("inbox", [inbox_service(InboxSettings(
+        database_url=database, broker=broker, exchange=rabbit.exchange,
+        queue=f"{rabbit.exchange}.traced", binds=("traced.#",), poll_interval=0.2),
+        registry)], shutdown_timeout=5)
+    rabbit.queues.append(f"{rabbit.exchange}.traced")
+    running = asyncio.ensure_future(inbox.run())
+    try:
+        await asyncio.wait_for(inbox.started_event.wait(), 30)
+        outbox = Daemon("outbox", [outbox_service(
+            OutboxSettings(database_url=database, broker=broker, exchange=rabbit.exchange),
+            once=True)], shutdown_timeout=5)
+        assert await asyncio.wait_for(outbox.run(), 30) == EXIT_OK
+        for _ in range(300):
+            if rows(effects, "SELECT message_id FROM effects"):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        inbox.request_stop("test over")
+        await asyncio.wait_for(running, 30)
+    assert rows(effects, "SELECT message_id FROM effects") == [(str(message_id),)]
+
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    send, process, work = spans["send traced.order"], spans["process traced.order"], \
+        spans["handler sql"]
+    assert send.kind == SpanKind.PRODUCER and process.kind == SpanKind.CONSUMER
+    for span in (send, process, work):
+        assert span.context.trace_id == request_context.trace_id
+    assert send.parent.span_id == request_context.span_id
+    assert process.parent.span_id == request_context.span_id  # the wire's traceparent
+    assert work.parent.span_id == process.context.span_id
+
+
+def test_enqueue_adds_the_current_context_only_inside_a_span_and_never_over_the_apps_own():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from relay import tracing
+
+    headers: dict[str, str] = {}
+    tracing.add_current_context(headers)
+    assert headers == {}  # no span: nothing to continue
+    with TracerProvider().get_tracer("app").start_as_current_span("request") as span:
+        given = {"traceparent": TRACEPARENT}
+        tracing.add_current_context(given)
+        assert given == {"traceparent": TRACEPARENT}
+        tracing.add_current_context(headers)
+    context = span.get_span_context()
+    assert headers["traceparent"].startswith(
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-")

@@ -21,9 +21,12 @@ from relay.rows import Failure, OutboxRow
 
 
 class Outcome(enum.Enum):
-    """A publish whose result is unknown (the connection broke first)."""
+    """A publish result other than a plain confirm or a failure."""
 
-    RELEASE = "release"  # leave the row pending, no attempt counted
+    RELEASE = "release"  # unknown (the connection broke first): pending, no attempt counted
+    # RabbitMQ confirmed it but no queue was bound for it (returned,
+    # mandatory): published, and counted as unroutable.
+    UNROUTABLE = "unroutable"
 
 
 PublishResult = None | Failure | Outcome  # None: confirmed by the broker
@@ -34,6 +37,13 @@ class Publisher(Protocol):
 
     @property
     def connected(self) -> bool: ...
+
+    @property
+    def blocked(self) -> str | None:
+        """Why the broker blocks publishing now (a resource alarm), or None."""
+
+    async def wait_unblocked(self) -> None:
+        """Return once the broker no longer blocks publishing."""
 
     async def connect(self) -> None:
         """Connect (or reconnect); raises BrokerUnavailable."""
@@ -143,24 +153,29 @@ def check_topic(row: OutboxRow) -> None:
         raise BadMessage("topic is empty")
 
 
-def make_publisher(broker: BrokerURL, *, exchange: str) -> Publisher:
+def make_publisher(
+    broker: BrokerURL, *, exchange: str, on_unroutable: str = "publish"
+) -> Publisher:
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpPublisher
 
-        return AmqpPublisher(broker.url, exchange=exchange)
+        return AmqpPublisher(broker.nodes or broker.url, exchange=exchange,
+                             on_unroutable=on_unroutable)
     from relay.brokers.sqs import SqsPublisher
 
     return SqsPublisher(broker)
 
 
 def make_consumer(
-    broker: BrokerURL, *, queue: str, exchange: str, binds: Sequence[str], prefetch: int
+    broker: BrokerURL, *, queue: str, exchange: str, binds: Sequence[str], prefetch: int,
+    queue_type: str | None = None, queue_args: Sequence[tuple[str, str | int]] = (),
 ) -> Consumer:
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpConsumer
 
         return AmqpConsumer(
-            broker.url, queue=queue, exchange=exchange, binds=binds, prefetch=prefetch
+            broker.nodes or broker.url, queue=queue, exchange=exchange, binds=binds,
+            prefetch=prefetch, queue_type=queue_type, queue_args=queue_args,
         )
     from relay.brokers.sqs import SqsConsumer
 

@@ -2,8 +2,13 @@
 
 The publisher uses publisher confirms with the whole batch in flight on one
 channel (AMQP keeps a channel's publishes in order) and mandatory routing,
-so a message no queue would take comes back as a failure instead of
-vanishing. The consumer acknowledges with one multiple-ack per stored batch.
+so a message no queue would take comes back (basic.return) and is counted
+(by default published: pub/sub on a topic exchange; or a failed attempt)
+instead of vanishing unseen. The consumer acknowledges with one
+multiple-ack per stored batch.
+
+A broker URL may list several nodes: each connection goes to the first node
+that answers, starting after the node whose connection was lost.
 """
 
 from __future__ import annotations
@@ -68,13 +73,29 @@ def _unavailable(exc: BaseException, url: str) -> BrokerUnavailable:
     return BrokerUnavailable(f"RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}")
 
 
-async def _connect(url: str) -> AbstractConnection:
+async def _connect_one(url: str) -> AbstractConnection:
     try:
         return await aio_pika.connect(url, timeout=CONNECT_TIMEOUT)
     except aiormq.exceptions.ProbableAuthenticationError as exc:
         raise BrokerUnavailable(f"RabbitMQ at {redact_url(url)} refused the login: {exc}") from exc
     except _CONNECTION_ERRORS as exc:
         raise _unavailable(exc, url) from exc
+
+
+async def _connect(nodes: Sequence[str], first: int) -> tuple[AbstractConnection, int]:
+    """A connection to the first node that answers, trying them in order from
+    `first` round the list; and that node's index. BrokerUnavailable naming
+    each node's failure when none answers."""
+    failures = []
+    for step in range(len(nodes)):
+        index = (first + step) % len(nodes)
+        try:
+            return await _connect_one(nodes[index]), index
+        except BrokerUnavailable as exc:
+            failures.append(str(exc))
+    if len(failures) == 1:
+        raise BrokerUnavailable(failures[0])
+    raise BrokerUnavailable("no RabbitMQ node answered: " + "; ".join(failures))
 
 
 async def _declare_exchange(channel: AbstractChannel, name: str) -> aio_pika.abc.AbstractExchange:
@@ -87,10 +108,35 @@ async def _declare_exchange(channel: AbstractChannel, name: str) -> aio_pika.abc
 
 
 class _Client:
-    """A connection and a channel of aio-pika/aiormq, and whether both are open."""
+    """A connection and a channel of aio-pika/aiormq, and whether both are open;
+    the broker's nodes, and which one the connection goes (or last went) to."""
 
     _connection: AbstractConnection | None = None
     _channel: Any = None  # aiormq's channel for the publisher, aio-pika's for the consumer
+    nodes: tuple[str, ...] = ()
+    _node = 0  # index in nodes of the node connected to, or last connected to
+    _was_connected = False
+
+    def _init_nodes(self, url: str | Sequence[str]) -> None:
+        self.nodes = (url,) if isinstance(url, str) else tuple(url)
+        if not self.nodes:
+            raise ConfigError("no RabbitMQ node given")
+
+    @property
+    def url(self) -> str:
+        """The node connected to (or to try first)."""
+        return self.nodes[self._node]
+
+    async def _connect_node(self) -> AbstractConnection:
+        """Connect to the first node that answers; after a lost connection,
+        the nodes after the one lost come first."""
+        first = (self._node + 1) % len(self.nodes) if self._was_connected else self._node
+        connection, self._node = await _connect(self.nodes, first)
+        if self._was_connected and len(self.nodes) > 1:
+            log.info("RabbitMQ: now on node %d of %d (%s)",
+                     self._node + 1, len(self.nodes), redact_url(self.url))
+        self._was_connected = True
+        return connection
 
     @property
     def connected(self) -> bool:
@@ -110,8 +156,8 @@ class _Client:
                 pass
 
 
-_UNSETTLED = object()  # no ack, nack or return yet
-_RETURNED = object()  # came back unroutable (mandatory)
+_UNSETTLED = object()  # no ack or nack yet
+_RETURNED = object()  # came back unroutable (mandatory), then acked
 
 
 class _Confirms:
@@ -123,16 +169,22 @@ class _Confirms:
     every tag of a batch maps to this one object instead, the publisher's
     channel settles acks a range at a time (_settle_confirms), and the batch
     waits on one future. A returned message still goes through aiormq, which calls
-    set_exception (or set_result) with it before the broker's ack."""
+    set_exception (or set_result) with it before the broker's ack, and puts
+    a marker of its own (Returning) in the tag's place: the tag is noted in
+    `returned` so that its ack still settles it here, as returned."""
 
-    __slots__ = ("settled", "first", "outcomes", "left", "tags")
+    __slots__ = ("settled", "first", "outcomes", "left", "tags", "returned")
 
-    def __init__(self, settled: asyncio.Future[None], first: int, tags: dict[str, int]) -> None:
+    def __init__(
+        self, settled: asyncio.Future[None], first: int, tags: dict[str, int],
+        returned: dict[int, _Confirms],
+    ) -> None:
         self.settled = settled  # the channel's: rejected if it closes
         self.first = first  # delivery tag of outcomes[0]
         self.outcomes: list[Any] = []  # None (acked), _RETURNED, a nack frame, _UNSETTLED
         self.left = 0
         self.tags = tags  # message id -> delivery tag, the channel's
+        self.returned = returned  # delivery tag -> batch, of returns awaiting their ack
 
     def add(self) -> None:
         self.outcomes.append(_UNSETTLED)
@@ -156,10 +208,11 @@ class _Confirms:
         properties = getattr(getattr(message, "header", None), "properties", None)
         tag = self.tags.get(getattr(properties, "message_id", None) or "")
         if tag is not None:
-            self.settle(tag, _RETURNED)
+            # Published only once confirmed: the broker's ack follows.
+            self.returned[tag] = self
 
 
-def _settle_confirms(channel: aiormq.abc.AbstractChannel) -> None:
+def _settle_confirms(channel: aiormq.abc.AbstractChannel, returned: dict[int, _Confirms]) -> None:
     """Settle the publisher's acks and nacks a range at a time (see _Confirms)."""
     confirmations = channel.confirmations  # in delivery tag order but for returns
 
@@ -167,7 +220,11 @@ def _settle_confirms(channel: aiormq.abc.AbstractChannel) -> None:
         ack = isinstance(frame, spec.Basic.Ack)
         if isinstance(confirmation, _Confirms):
             confirmation.settle(tag, None if ack else frame)
-        elif not isinstance(confirmation, Returning) and not confirmation.done():
+        elif isinstance(confirmation, Returning):
+            batch = returned.pop(tag, None)
+            if batch is not None:
+                batch.settle(tag, _RETURNED if ack else frame)
+        elif not confirmation.done():
             if ack:  # a future of aiormq's own
                 confirmation.set_result(frame)
             else:
@@ -218,9 +275,15 @@ def _deliver_directly(
 class AmqpPublisher(_Client):
     """Publishes outbox rows to a durable topic exchange with publisher confirms."""
 
-    def __init__(self, url: str, *, exchange: str) -> None:
-        self.url = url
+    def __init__(
+        self, url: str | Sequence[str], *, exchange: str, on_unroutable: str = "publish"
+    ) -> None:
+        self._init_nodes(url)
         self.exchange = exchange
+        # "publish": a returned (unroutable) message that the broker acked is
+        # published (Outcome.UNROUTABLE, counted by the loop); "fail": a
+        # failed attempt.
+        self.on_unroutable = on_unroutable
         try:
             self._exchange_name = shortstr(exchange)
         except ValueError as exc:
@@ -230,6 +293,39 @@ class AmqpPublisher(_Client):
         self._connect_lock = asyncio.Lock()
         # Lowered to the broker's own limit when it refuses a message as too big.
         self.max_message_size = MAX_MESSAGE_SIZE
+        self._returned: dict[int, _Confirms] = {}
+        # While RabbitMQ blocks the connection (a memory or disk alarm): why.
+        self._blocked: str | None = None
+        self._unblocked = asyncio.Event()
+        self._unblocked.set()
+        self._blocks = 0  # connection.blocked notifications so far
+
+    @property
+    def blocked(self) -> str | None:
+        """Why RabbitMQ blocks this connection (a resource alarm), or None."""
+        return self._blocked if self.connected else None
+
+    def _on_blocking(self, reason: str | None) -> None:
+        if reason is not None:
+            self._blocks += 1
+            self._blocked = reason or "no reason given"
+            self._unblocked.clear()
+            log.warning("RabbitMQ blocked the connection (%s): publishing waits until it "
+                        "unblocks it", self._blocked, extra={"action": "broker_blocked"})
+        else:
+            if self._blocked is not None:
+                log.info("RabbitMQ unblocked the connection: publishing resumes",
+                         extra={"action": "broker_unblocked"})
+            self._blocked = None
+            self._unblocked.set()
+
+    async def wait_unblocked(self) -> None:
+        """Return once the connection is not blocked (or is gone)."""
+        while self._blocked is not None and self.connected:
+            try:
+                await asyncio.wait_for(self._unblocked.wait(), 1.0)
+            except TimeoutError:
+                pass
 
     async def connect(self) -> None:
         if self.connected:
@@ -242,12 +338,15 @@ class AmqpPublisher(_Client):
 
     async def _connect(self) -> None:
         await self.close()
-        connection = await _connect(self.url)
+        self._on_blocking(None)  # a new connection starts unblocked
+        connection = await self._connect_node()
         try:
+            _watch_blocking(connection, self._on_blocking)
             channel = await connection.channel(publisher_confirms=True)
             await _declare_exchange(channel, self.exchange)
             self._channel = await channel.get_underlay_channel()
-            _settle_confirms(self._channel)
+            self._returned = {}
+            _settle_confirms(self._channel, self._returned)
         except _CONNECTION_ERRORS as exc:
             await connection.close()
             raise _unavailable(exc, self.url) from exc
@@ -280,6 +379,9 @@ class AmqpPublisher(_Client):
 
     async def publish(self, rows: Sequence[OutboxRow]) -> list[PublishResult]:
         await self.connect()
+        if self._blocked is not None:
+            await self.wait_unblocked()
+            await self.connect()
         channel = self._channel
         assert channel is not None
         results: list[PublishResult] = [None] * len(rows)
@@ -290,7 +392,8 @@ class AmqpPublisher(_Client):
         # channel's publish sequence numbers, so they are taken under the
         # channel's lock, in the order the frames are written.
         async with channel.lock:
-            batch = _Confirms(channel.create_future(), channel.delivery_tag + 1, message_ids)
+            batch = _Confirms(channel.create_future(), channel.delivery_tag + 1, message_ids,
+                              self._returned)
             held: set[str] = set()  # keys whose row failed here: their later rows wait
             for index, row in enumerate(rows):
                 if row.key is not None and row.key in held:
@@ -320,7 +423,16 @@ class AmqpPublisher(_Client):
             return results
         broken: BaseException | None = None
         try:
-            await asyncio.wait_for(asyncio.shield(batch.settled), CONFIRM_TIMEOUT)
+            while True:
+                blocks = self._blocks
+                try:
+                    await asyncio.wait_for(asyncio.shield(batch.settled), CONFIRM_TIMEOUT)
+                    break
+                except TimeoutError:
+                    # A blocked connection is read by nobody: its confirms
+                    # come once the alarm clears, however long that takes.
+                    if self._blocked is None and blocks == self._blocks:
+                        raise
         except TimeoutError:
             broken = TimeoutError(f"no confirm within {CONFIRM_TIMEOUT:.0f}s")
         except asyncio.CancelledError:
@@ -329,6 +441,9 @@ class AmqpPublisher(_Client):
             broken = asyncio.CancelledError()
         except Exception as exc:  # the channel or connection closed first
             broken = exc
+        if self._returned:  # returns whose ack never came (the connection broke)
+            for tag in range(batch.first, batch.first + len(indexes)):
+                self._returned.pop(tag, None)
         for index, outcome in zip(indexes, batch.outcomes, strict=True):
             message_ids.pop(rows[index].id, None)
             if outcome is None:
@@ -377,11 +492,41 @@ class AmqpPublisher(_Client):
             )
         return True
 
-    def _unroutable(self, row: OutboxRow) -> Failure:
+    def _unroutable(self, row: OutboxRow) -> Failure | Outcome:
+        if self.on_unroutable == "publish":
+            return Outcome.UNROUTABLE
         return Failure(
             f"unroutable: no queue is bound to exchange {self.exchange!r} "
             f"for routing key {row.topic!r}"
         )
+
+
+def _watch_blocking(
+    connection: AbstractConnection, on_change: Callable[[str | None], None]
+) -> None:
+    """Tell on_change the reason of each connection.blocked and None on each
+    connection.unblocked. aiormq handles both frames (it holds back new
+    writes while blocked) but tells nobody: wrap its two handlers."""
+    transport = getattr(connection, "transport", None)
+    underlay = getattr(transport, "connection", None)
+    if underlay is None:
+        return
+    names = ("_Connection__handle_connection_blocked", "_Connection__handle_connection_unblocked")
+    blocked, unblocked = (getattr(underlay, name, None) for name in names)
+    if blocked is None or unblocked is None:  # another aiormq: no notice, as before
+        log.debug("aiormq has no connection.blocked handler to watch")
+        return
+
+    async def on_blocked(frame: spec.Connection.Blocked) -> None:
+        on_change(frame.reason or "")
+        await blocked(frame)
+
+    async def on_unblocked(frame: spec.Connection.Unblocked) -> None:
+        on_change(None)
+        await unblocked(frame)
+
+    setattr(underlay, names[0], on_blocked)
+    setattr(underlay, names[1], on_unblocked)
 
 
 def _original(message: DeliveredMessage) -> dict[str, Any]:
@@ -399,13 +544,23 @@ class AmqpConsumer(_Client):
     """Consumes a durable queue bound to the exchange, with a prefetch window."""
 
     def __init__(
-        self, url: str, *, queue: str, exchange: str, binds: Sequence[str], prefetch: int
+        self, url: str | Sequence[str], *, queue: str, exchange: str, binds: Sequence[str],
+        prefetch: int, queue_type: str | None = None,
+        queue_args: Sequence[tuple[str, str | int]] = (),
     ) -> None:
-        self.url = url
+        self._init_nodes(url)
         self.queue = queue
         self.exchange = exchange
         self.binds = tuple(binds)
         self.prefetch = prefetch
+        # Asked for (by --queue-type or --queue-arg): a queue declared
+        # otherwise is an error. Not asked for: it is used as it is.
+        self.strict = queue_type is not None or bool(queue_args)
+        self.arguments: dict[str, Any] = dict(queue_args)
+        if queue_type == "quorum":
+            self.arguments["x-queue-type"] = "quorum"
+        elif queue_type == "classic" and queue_args:
+            self.arguments.setdefault("x-queue-type", "classic")
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
         self._received: asyncio.Queue[DeliveredMessage | BaseException] = asyncio.Queue()
@@ -418,14 +573,17 @@ class AmqpConsumer(_Client):
         # Deliveries of the old channel can no longer be acked: drop them,
         # the broker redelivers them.
         self._received = asyncio.Queue()
-        connection = await _connect(self.url)
+        connection = await self._connect_node()
         try:
             channel = await connection.channel()
             await channel.set_qos(prefetch_count=self.prefetch)
             exchange = await _declare_exchange(channel, self.exchange)
             try:
-                queue = await channel.declare_queue(self.queue, durable=True)
-            except aiormq.exceptions.ChannelPreconditionFailed:
+                queue = await channel.declare_queue(
+                    self.queue, durable=True, arguments=self.arguments or None)
+            except aiormq.exceptions.ChannelPreconditionFailed as exc:
+                if self.strict:
+                    raise self._refused(exc) from None
                 # Declared by its owner with arguments of its own (a quorum
                 # queue, x-max-length...): use it as it is. The failed
                 # declare closed the channel, so start over on a new one.
@@ -461,6 +619,19 @@ class AmqpConsumer(_Client):
             "consuming queue %r from RabbitMQ at %s (bindings: %s)",
             self.queue, redact_url(self.url), ", ".join(self.binds) or "none",
         )
+
+    def _refused(self, exc: BaseException) -> ConfigError:
+        """RabbitMQ refused to declare the queue as --queue-type/--queue-arg ask."""
+        text = str(exc.args[0] if exc.args else exc)
+        asked = ", ".join(f"{k}={v}" for k, v in self.arguments.items()) or "no arguments"
+        if "inequivalent" in text:
+            return ConfigError(
+                f"queue {self.queue!r} exists with other arguments than relay was asked to "
+                f"declare it with ({asked}): {text}. Delete the queue (losing its messages) "
+                "or give the arguments it has; a queue's type and arguments cannot change"
+            )
+        return ConfigError(f"RabbitMQ refused to declare queue {self.queue!r} with {asked}: "
+                           f"{text}")
 
     def _on_close(self, _channel: object, exc: BaseException | None = None) -> None:
         self._received.put_nowait(

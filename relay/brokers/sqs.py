@@ -335,6 +335,11 @@ class SqsPublisher(_Adapter):
     def connected(self) -> bool:
         return self._client is not None and self._healthy
 
+    blocked: str | None = None  # SQS never blocks a client (it throttles calls)
+
+    async def wait_unblocked(self) -> None:
+        return
+
     async def connect(self) -> None:
         if self.connected:
             return
