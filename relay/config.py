@@ -83,10 +83,28 @@ def normalize_database_url(url: str, what: str = "database") -> str:
             urllib.parse.urlsplit(url).port  # noqa: B018 - raises ValueError on a bad port
         except ValueError as exc:
             raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {exc}") from None
+        _check_libpq_url(url, what)
         return "postgresql+psycopg://" + rest
     raise ConfigError(
         f"unsupported {what} URL scheme {scheme!r}: use postgresql:// or postgresql+psycopg://"
     )
+
+
+def _check_libpq_url(url: str, what: str) -> None:
+    """ConfigError for what libpq would refuse to parse (an unknown query
+    parameter such as `?sslmod=require`), which would otherwise fail only
+    at the first connect."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict("postgresql://" + url.partition("://")[2])
+    except psycopg.Error as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        password = url_password(url)
+        if password:
+            reason = reason.replace(password, "***")
+        raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {reason}") from None
 
 
 @dataclass(frozen=True)

@@ -751,11 +751,14 @@ class Store:
         return HandlerSavepoints(conn.connection.driver_connection)
 
     def backend_pid(self, conn: sa.Connection) -> int | None:
-        """The PostgreSQL backend pid of a connection (no round trip); None
-        behind a pooler, whose transactions may each run on another server
-        process (and which gives its clients a made-up pid)."""
+        """The PostgreSQL backend pid of a connection in a transaction (no
+        round trip). Behind a pooler, which gives its clients a made-up pid,
+        one round trip asks the server process that holds the transaction
+        (in transaction mode another may hold the next)."""
         if conn.connection.info.get("relay_pooled"):
-            return None
+            with translate_errors():
+                pid = conn.exec_driver_sql(pg.BACKEND_PID).scalar()
+            return int(pid) if pid is not None else None
         info = getattr(conn.connection.driver_connection, "info", None)
         return getattr(info, "backend_pid", None)
 
@@ -790,6 +793,7 @@ class Listener:
 
     async def run(self) -> None:
         delay = 0.5
+        said = False  # one line per outage: the daemon's loop logs each of its waits
         while True:
             try:
                 async with await pg.connect(self.conninfo) as conn:
@@ -806,17 +810,19 @@ class Listener:
                             await conn.execute("UNLISTEN *")
                         break
                     self.connected.set()
-                    delay = 0.5
+                    delay, said = 0.5, False
                     # Rows committed while we were away: look once now.
                     self.wake()
                     async for _ in conn.notifies():
                         self.wake()
             except (psycopg.OperationalError, OSError, DatabaseUnavailable) as exc:
-                log.warning(
+                log.log(
+                    logging.DEBUG if said else logging.WARNING,
                     "LISTEN %s connection lost (%s); polling until it is back",
                     self.channel,
                     _describe(exc),
                 )
+                said = True
             finally:
                 self.connected.clear()
             await asyncio.sleep(delay)

@@ -5,30 +5,49 @@ it is started with `-u postgres` (or nobody), which reads the files."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from tests.conftest import PG_HOST, PG_PORT, PG_USER, _reachable, free_port
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _reachable(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
 
 
 class PgBouncer:
-    def __init__(self, pool_mode: str) -> None:
+    """Also used by bench/pgbouncer.py; it imports nothing of the tests'."""
+
+    def __init__(self, pool_mode: str, pg_host: str = "127.0.0.1", pg_port: int = 5432,
+                 pg_user: str = "postgres") -> None:
         self.pool_mode = pool_mode
-        self.port = free_port()
+        self.pg_host, self.pg_port = pg_host, pg_port
+        self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix=f"relay-pgbouncer-{pool_mode}-"))
         self.dir.chmod(0o755)
         auth = self.dir / "users.txt"
-        auth.write_text(f'"{PG_USER}" ""\n')
+        auth.write_text(f'"{pg_user}" ""\n')
         ini = self.dir / "pgbouncer.ini"
         # Every database name goes to the test server (each test makes its
-        # own); the client's `options` are refused, as by default.
+        # own). In session mode the client's `options` are refused, as by
+        # default; in transaction mode ignored, as many set it up: relay
+        # must find the pooler either way.
+        ignored = "options" if pool_mode == "transaction" else ""
         ini.write_text(f"""[databases]
-* = host={PG_HOST} port={PG_PORT}
+* = host={pg_host} port={pg_port}
 
 [pgbouncer]
 listen_addr = 127.0.0.1
@@ -36,8 +55,9 @@ listen_port = {self.port}
 unix_socket_dir =
 auth_type = trust
 auth_file = {auth}
-admin_users = {PG_USER}
+admin_users = {pg_user}
 pool_mode = {pool_mode}
+ignore_startup_parameters = {ignored}
 max_client_conn = 1000
 default_pool_size = 60
 logfile =
@@ -51,7 +71,7 @@ pidfile =
         self.log = open(self.dir / "pgbouncer.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
-        while not _reachable("127.0.0.1", self.port):
+        while not _reachable(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise AssertionError(f"pgbouncer did not start: {self.read_log()}")
@@ -59,7 +79,7 @@ pidfile =
 
     def url(self, direct_url: str) -> str:
         """`direct_url` (a test database's) through this PgBouncer."""
-        return direct_url.replace(f"@{PG_HOST}:{PG_PORT}/", f"@127.0.0.1:{self.port}/")
+        return direct_url.replace(f"@{self.pg_host}:{self.pg_port}/", f"@127.0.0.1:{self.port}/")
 
     def read_log(self) -> str:
         return (self.dir / "pgbouncer.log").read_text(errors="replace")

@@ -18,16 +18,20 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import sqlalchemy as sa
 
 import relay
 from relay.rows import Failure
 from relay.store import Store
-from tests.conftest import insert_outbox, rows, wait_until
+from tests.conftest import PG_HOST, PG_PORT, PG_USER, insert_outbox, rows, wait_until
 from tests.pgbouncer import PgBouncer
 from tests.test_faults import (  # noqa: F401
     open_transactions,
     test_other_keys_flow_while_a_key_waits_for_an_open_transaction,
     test_relay_publishes_nothing_of_a_key_while_an_earlier_row_is_uncommitted,
+)
+from tests.test_hostile import (  # noqa: F401
+    test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart,
 )
 from tests.test_inbox import (  # noqa: F401
     test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes,
@@ -60,7 +64,7 @@ def pgbouncer(request: pytest.FixtureRequest) -> Iterator[PgBouncer]:
         if os.environ.get("CI"):
             pytest.fail(message + " (CI must provide it)")
         pytest.skip(message)
-    bouncer = PgBouncer(request.param)
+    bouncer = PgBouncer(request.param, PG_HOST, PG_PORT, PG_USER)
     yield bouncer
     bouncer.stop()
 
@@ -132,7 +136,11 @@ async def test_store_connections_prepare_nothing_behind_a_pooler(pooled):
         async with store.transaction() as conn:
             raw = await conn.get_raw_connection()
             assert raw.driver_connection.prepare_threshold is None
-            assert store.backend_pid(await conn.run_sync(lambda c: c)) is None
+            # The server process's pid (the one the hung-handler watchdog
+            # ends), not the made-up one PgBouncer gave the client.
+            pid = await conn.run_sync(store.backend_pid)
+            assert pid == await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+            assert pid != raw.driver_connection.info.backend_pid
     finally:
         await store.close()
 
