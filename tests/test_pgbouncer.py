@@ -37,7 +37,6 @@ from tests.test_inbox import (  # noqa: F401
     test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes,
     test_async_handler_gets_an_async_connection,
     test_fail_then_succeed_retries_with_backoff,
-    test_kill_9_between_insert_and_ack_loses_and_duplicates_nothing,
     test_message_is_stored_handled_and_marked_processed,
     test_outbox_to_inbox_end_to_end_carries_id_key_and_traceparent,
     test_per_key_dispatch_order_with_three_inboxes,
