@@ -6,10 +6,11 @@ is one log line."""
 from __future__ import annotations
 
 import re
+import uuid
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import drop_database, pg_url, wait_until
 
 SECRET = "pw-n3wc0mer"
 
@@ -66,3 +67,22 @@ def test_one_log_line_per_wait_while_a_server_is_down(start_relay, daemon, down)
     assert len(others) <= (1 if down == "database" else 0), "\n".join(others)
     assert all("LISTEN" in line for line in others)
     assert SECRET not in proc.log
+
+
+async def test_demo_creates_its_database_when_missing(rabbit, run_relay):
+    name = f"relay_demo_{uuid.uuid4().hex[:10]}"
+    queue = f"{rabbit.exchange}.demo"
+    rabbit.queues.append(queue)
+    try:
+        result = run_relay("demo", "--duration", "1", "--rate", "20",
+                           "--exchange", rabbit.exchange, "--queue", queue,
+                           "--database-url", pg_url(name, "postgresql"))
+        assert result.returncode == 0, result.stderr
+        assert f"relay demo: created database '{name}'" in result.stdout
+        again = run_relay("demo", "--duration", "1", "--rate", "20",
+                          "--exchange", rabbit.exchange, "--queue", queue,
+                          "--database-url", pg_url(name, "postgresql"))
+        assert again.returncode == 0, again.stderr
+        assert "created database" not in again.stdout
+    finally:
+        drop_database(name)
