@@ -528,7 +528,7 @@ def inbox_service(
     from relay.logs import with_log_context
     from relay.maintenance import run_scheduler
     from relay.receiving import LocalReceiver, ReceiverProcess
-    from relay.store import NOTIFY_INBOX
+    from relay.store import NOTIFY_INBOX, Listener
 
     assert settings.broker is not None
     tracing.setup("relay-inbox")
@@ -604,7 +604,7 @@ def inbox_service(
         handled = max([*batches, 0.0, metrics.handler_seconds.last_observed])
         return min(handled, receiver.last_alive)
 
-    listener = store.listener(NOTIFY_INBOX, wake_dispatcher, settings.listen_url)
+    listener = Listener.for_store(store, NOTIFY_INBOX, wake_dispatcher, settings.listen_url)
     return Service(
         name="inbox",
         main=main,

@@ -248,7 +248,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     from relay.brokers import make_publisher
     from relay.lifecycle import STALL_AFTER, Service, Started
     from relay.maintenance import run_scheduler
-    from relay.store import NOTIFY_OUTBOX
+    from relay.store import NOTIFY_OUTBOX, Listener
 
     assert settings.broker is not None
     tracing.setup("relay-outbox")
@@ -289,7 +289,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
 
     background = {}
     if not once:
-        listener = store.listener(NOTIFY_OUTBOX, relay.wake, settings.listen_url)
+        listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background = {
             "listener": lambda stop: listener.run(),
             "scheduler": lambda stop: run_scheduler(

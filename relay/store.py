@@ -605,14 +605,6 @@ class Store:
             async with self.engine.begin() as conn:
                 await conn.execute(NOTIFY_PAYLOAD, {"channel": channel, "payload": payload})
 
-    def listener(self, channel: str, wake: Callable[[], None],
-                 listen_url: str | None = None) -> Listener:
-        """A Listener on `listen_url` (else the database URL) that checks
-        itself with a notification sent through the database URL."""
-        conninfo = pg.libpq_url(listen_url) if listen_url else self.conninfo
-        return Listener(conninfo, channel, wake,
-                        notify=lambda payload: self.notify(channel, payload))
-
     async def ping(self) -> None:
         with translate_errors():
             async with self.engine.connect() as conn:
@@ -790,6 +782,15 @@ class Listener:
         self.wake = wake
         self.notify = notify
         self.connected = asyncio.Event()
+
+    @classmethod
+    def for_store(cls, store: Store, channel: str, wake: Callable[[], None],
+                  listen_url: str | None = None) -> Listener:
+        """A Listener on `listen_url` (else the store's database URL) that
+        checks itself with a notification sent through the store."""
+        conninfo = pg.libpq_url(listen_url) if listen_url else store.conninfo
+        return cls(conninfo, channel, wake,
+                   notify=lambda payload: store.notify(channel, payload))
 
     async def run(self) -> None:
         delay = 0.5
