@@ -92,12 +92,13 @@ _DEAD_BLOCKS = {
 # right at any size. (The probes spell "pending" as "neither finished nor
 # dead" so that only the per-key indexes match them.) SET LOCAL ends with
 # the transaction; the outbox workers' connections set them for the session.
+# (jit too, which the session options turn off, but not behind a pooler.)
 PLAN_CLAIM = (
     "SET LOCAL jit = off; SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; "
     "SET LOCAL enable_seqscan = off"
 )
 UNPLAN_CLAIM = (
-    "SET LOCAL jit = off; SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on; "
+    "SET LOCAL enable_sort = on; SET LOCAL enable_bitmapscan = on; "
     "SET LOCAL enable_seqscan = on"
 )
 
