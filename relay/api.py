@@ -25,6 +25,7 @@ async def table_status(database_url: str) -> dict[str, dict[str, Any]]:
     """What `relay status --json` prints."""
     store = Store(database_url, pool_size=1)
     try:
+        await store.check_schema()  # no tables: one line that says so, no traceback
         return await store.status()
     finally:
         await store.close()
@@ -50,6 +51,7 @@ async def retry(
     """Put dead (or the given) rows back to pending with attempts reset; returns how many."""
     store = Store(database_url, pool_size=1)
     try:
+        await store.check_schema()
         return await store.retry(table, ids=ids, all_dead=all_dead, consumer=consumer)
     finally:
         await store.close()

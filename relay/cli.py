@@ -85,6 +85,9 @@ def _daemon_options(f: F) -> F:
         option("--on-dead", type=click.Choice(["skip", "block"]), default="skip",
                show_default=True, help="skip: later rows of a dead row's key go on; "
                                        "block: the key waits until the row is retried"),
+        option("--listen-url", default=None,
+               help="direct postgresql:// URL for LISTEN, when --database-url goes "
+                    "through a pooler such as PgBouncer [default: --database-url]"),
     ]):
         f = decorator(f)
     return _common(f)
@@ -94,6 +97,7 @@ def _setup_logs(kwargs: dict[str, Any]) -> None:
     secrets = [
         config.url_password(kwargs.get("database_url")),
         *config.url_passwords(kwargs.get("broker_url")),
+        config.url_password(kwargs.get("listen_url")),
     ]
     logs.setup(kwargs.pop("log_level", "INFO"), kwargs.pop("log_format", "text"),
                [s for s in secrets if s])

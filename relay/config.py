@@ -91,24 +91,43 @@ def url_passwords(url: str | None) -> list[str]:
     return [p for p in (url_password(part) for part in split_urls(url)) if p]
 
 
-def normalize_database_url(url: str) -> str:
-    """A SQLAlchemy URL for psycopg 3, or ConfigError for anything else."""
+def normalize_database_url(url: str, what: str = "database") -> str:
+    """A SQLAlchemy URL for psycopg 3, or ConfigError for anything else.
+    `what` names the URL in errors (the --listen-url is one too)."""
     if not url:
         raise ConfigError("no database URL: set --database-url or RELAY_DATABASE_URL")
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise ConfigError(
-            f"invalid database URL {redact_url(url)!r}: expected postgresql://user@host/dbname"
+            f"invalid {what} URL {redact_url(url)!r}: expected postgresql://user@host/dbname"
         )
     if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
         try:
             urllib.parse.urlsplit(url).port  # noqa: B018 - raises ValueError on a bad port
         except ValueError as exc:
-            raise ConfigError(f"invalid database URL {redact_url(url)!r}: {exc}") from None
+            raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {exc}") from None
+        _check_libpq_url(url, what)
         return "postgresql+psycopg://" + rest
     raise ConfigError(
-        f"unsupported database URL scheme {scheme!r}: use postgresql:// or postgresql+psycopg://"
+        f"unsupported {what} URL scheme {scheme!r}: use postgresql:// or postgresql+psycopg://"
     )
+
+
+def _check_libpq_url(url: str, what: str) -> None:
+    """ConfigError for what libpq would refuse to parse (an unknown query
+    parameter such as `?sslmod=require`), which would otherwise fail only
+    at the first connect."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict("postgresql://" + url.partition("://")[2])
+    except psycopg.Error as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        password = url_password(url)
+        if password:
+            reason = reason.replace(password, "***")
+        raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {reason}") from None
 
 
 @dataclass(frozen=True)
@@ -199,9 +218,16 @@ class DaemonSettings:
     shutdown_timeout: float = 30.0
     retention: float = DEFAULT_OUTBOX_RETENTION
     on_dead: str = "skip"
+    # A direct PostgreSQL URL for LISTEN, when database_url is a pooler's.
+    listen_url: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", normalize_database_url(self.database_url))
+        if self.listen_url:
+            object.__setattr__(self, "listen_url",
+                               normalize_database_url(self.listen_url, "listen"))
+        else:
+            object.__setattr__(self, "listen_url", None)
         _positive("batch-size", self.batch_size)
         _positive("poll-interval", self.poll_interval)
         _positive("max-attempts", self.max_attempts)
@@ -221,7 +247,7 @@ class DaemonSettings:
     @property
     def secrets(self) -> list[str]:
         """Strings that must never reach a log line."""
-        found = [url_password(self.database_url)]
+        found = [url_password(self.database_url), url_password(self.listen_url)]
         if self.broker:
             found.extend(url_passwords(self.broker.url))
         return [s for s in found if s]

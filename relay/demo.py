@@ -23,9 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import psycopg
 import sqlalchemy as sa
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import relay
+from relay import pg
 from relay.backoff import Backoff
 from relay.config import BrokerURL, InboxSettings, OutboxSettings, normalize_database_url
 from relay.errors import ConfigError, Unavailable
@@ -229,6 +233,30 @@ async def report(store: Store, since: Any, consumer: str | None, counts: _Counts
         out.flush()
 
 
+async def create_database_if_missing(database_url: str) -> str | None:
+    """The demo's database, created when it does not exist yet (through the
+    server's `postgres` database, as createdb does); its name if created.
+    Any other failure is left to the usual connect to report."""
+    conninfo = pg.libpq_url(database_url)
+    name = conninfo_to_dict(conninfo).get("dbname")
+    try:
+        conn = await psycopg.AsyncConnection.connect(conninfo, connect_timeout=pg.CONNECT_TIMEOUT)
+    except psycopg.OperationalError as exc:
+        if not name or f'database "{name}" does not exist' not in str(exc):
+            return None
+    else:
+        await conn.close()
+        return None
+    try:
+        async with await psycopg.AsyncConnection.connect(
+                make_conninfo(conninfo, dbname="postgres"), autocommit=True,
+                connect_timeout=pg.CONNECT_TIMEOUT) as admin:
+            await admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name))))
+    except psycopg.Error:
+        return None  # no right to, or made meanwhile: the connect that follows says
+    return str(name)
+
+
 async def prepare(database_url: str) -> list[str]:
     """Apply relay's schema and create the demo's table; returns the files applied."""
     from relay.api import apply_schema
@@ -251,6 +279,9 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
     from relay.lifecycle import Daemon, Service, Started, run_together
     from relay.outbox import outbox_service
 
+    created = await create_database_if_missing(settings.database_url)
+    if created:
+        out.write(f"relay demo: created database {created!r}\n")
     applied = await prepare(settings.database_url)
     out.write(f"relay demo: schema {'applied: ' + ', '.join(applied) if applied else 'up to date'}"
               f"; producing {settings.rate:g} messages/s to topic {settings.topic!r}"

@@ -604,7 +604,7 @@ def inbox_service(
         handled = max([*batches, 0.0, metrics.handler_seconds.last_observed])
         return min(handled, receiver.last_alive)
 
-    listener = Listener(store.conninfo, NOTIFY_INBOX, wake_dispatcher)
+    listener = Listener.for_store(store, NOTIFY_INBOX, wake_dispatcher, settings.listen_url)
     return Service(
         name="inbox",
         main=main,

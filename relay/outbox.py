@@ -331,7 +331,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
 
     background = {}
     if not once:
-        listener = Listener(store.conninfo, NOTIFY_OUTBOX, relay.wake)
+        listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background = {
             "listener": lambda stop: listener.run(),
             "scheduler": lambda stop: run_scheduler(

@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -91,8 +92,9 @@ _DEAD_BLOCKS = {
 # right at any size. (The probes spell "pending" as "neither finished nor
 # dead" so that only the per-key indexes match them.) SET LOCAL ends with
 # the transaction; the outbox workers' connections set them for the session.
+# (jit too, which the session options turn off, but not behind a pooler.)
 PLAN_CLAIM = (
-    "SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; "
+    "SET LOCAL jit = off; SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; "
     "SET LOCAL enable_seqscan = off"
 )
 UNPLAN_CLAIM = (
@@ -109,6 +111,11 @@ OUTBOX_SESSION_OPTIONS = [
     "-c enable_sort=off", "-c enable_bitmapscan=off", "-c enable_seqscan=off",
     "-c synchronous_commit=off",
 ]
+# The same settings for one transaction, where a pooler is between: jit
+# off too (see Store.session_options).
+_POOLED_SESSION = "; ".join(
+    "SET LOCAL " + option.removeprefix("-c ").replace("=", " = ")
+    for option in ["-c jit=off", *OUTBOX_SESSION_OPTIONS])
 _UUID_LIST = re.compile(r"[0-9a-fA-F,-]*").fullmatch
 MARK_PUBLISHED = (
     "UPDATE outbox SET status = 'published', published_at = now(), last_error = NULL "
@@ -206,6 +213,7 @@ RETRY = {
     ),
 }
 NOTIFY = sa.text("SELECT pg_notify(:channel, '')")
+NOTIFY_PAYLOAD = sa.text("SELECT pg_notify(:channel, :payload)")
 
 
 SCHEMA_TABLE_EXISTS = sa.text("SELECT to_regclass('relay_schema_version') IS NOT NULL")
@@ -355,6 +363,11 @@ class OutboxSession:
         self.options = " ".join([*options, *OUTBOX_SESSION_OPTIONS])
         self.on_dead = on_dead
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        # Behind a pooler (see relay.pg): no PREPARE and no session
+        # settings; each batch says its statements and SET LOCALs in full,
+        # in the same two round trips.
+        self.pooled = False
+        self._claim_sql = _CLAIM_OUTBOX.format(dead=_DEAD_BLOCKS[on_dead])
 
     async def claim(
         self, limit: int, worker: int = 0, workers: int = 1
@@ -365,9 +378,15 @@ class OutboxSession:
         async with self._errors():
             conn = await self._connect()
             cursor = conn.cursor()
-            await cursor.execute(
-                f"BEGIN; EXECUTE relay_claim({int(limit)}, {int(worker)}, {int(workers)})")
-            cursor.nextset()
+            args = [str(int(limit)), str(int(worker)), str(int(workers))]
+            if self.pooled:
+                claim = _POOLED_SESSION + "; " + re.sub(
+                    r"\$(\d+)", lambda m: args[int(m[1]) - 1], self._claim_sql)
+            else:
+                claim = f"EXECUTE relay_claim({', '.join(args)})"
+            await cursor.execute(f"BEGIN; {claim}")
+            while cursor.nextset():  # to the claim's rows, after the SETs
+                pass
             rows, blocked = [], 0
             for *fields, is_blocked in await cursor.fetchall():
                 if is_blocked:
@@ -399,7 +418,13 @@ class OutboxSession:
             ids = ",".join(published)
             if not _UUID_LIST(ids):
                 raise ValueError(f"not a list of UUIDs: {ids[:80]!r}")
-            await conn.execute(f"EXECUTE relay_mark('{{{ids}}}'); COMMIT" if ids else "COMMIT")
+            if not ids:
+                await conn.execute("COMMIT")
+            elif self.pooled:
+                await conn.execute(MARK_PUBLISHED.replace("$1", f"'{{{ids}}}'::uuid[]")
+                                   + "; COMMIT")
+            else:
+                await conn.execute(f"EXECUTE relay_mark('{{{ids}}}'); COMMIT")
             return statuses
 
     async def abort(self) -> None:
@@ -423,12 +448,14 @@ class OutboxSession:
             # prepare_threshold=None: psycopg answers a ROLLBACK with
             # DEALLOCATE ALL once it has prepared statements of its own,
             # which would take ours along.
-            conn = await pg.connect(self.conninfo, options=self.options,
-                                    prepare_threshold=None)
+            conn, self.pooled = await pg.connect_detecting(
+                self.conninfo, options=self.options, prepare_threshold=None)
+            if self.pooled:
+                self._conn = conn
+                return conn
             try:
                 await conn.execute(
-                    "PREPARE relay_claim(int, int, int) AS "
-                    + _CLAIM_OUTBOX.format(dead=_DEAD_BLOCKS[self.on_dead])
+                    "PREPARE relay_claim(int, int, int) AS " + self._claim_sql
                     + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED)
             except BaseException:
                 await conn.close()
@@ -479,6 +506,40 @@ def _describe(exc: BaseException) -> str:
     return f"{type(orig).__name__}: {text[0] if text else ''}"
 
 
+def _keep_no_session_state_behind_a_pooler(engine: sa.Engine) -> None:
+    """On each new connection of `engine`, find out whether a pooler is
+    between (relay.pg); if so, psycopg prepares no statement on it, and
+    backend_pid() knows no pid for it. A pooler that refuses the `options`
+    startup parameter is asked again without them."""
+
+    @sa.event.listens_for(engine, "do_connect")
+    def connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+        try:
+            return dialect.connect(*cargs, **cparams)
+        except psycopg.OperationalError as exc:
+            if "options" not in cparams or not pg.refused_options(exc):
+                raise
+            return dialect.connect(*cargs, **{k: v for k, v in cparams.items()
+                                              if k != "options"})
+
+    @sa.event.listens_for(engine, "connect")
+    def detect(dbapi_connection: Any, record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(pg.BACKEND_PID)
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+        dbapi_connection.rollback()
+        # psycopg's own (sync engine) or under SQLAlchemy's async adapter
+        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+        pooled = pg.pooled_pid(driver.info.backend_pid, row[0] if row else None)
+        record.info["relay_pooled"] = pooled
+        if pooled:
+            driver.prepare_threshold = None
+            pg.noticed_pooler()
+
+
 class Store:
     """The relay's view of PostgreSQL: an async engine and named queries."""
 
@@ -504,6 +565,9 @@ class Store:
         self.sync_engine: sa.Engine | None = (
             sa.create_engine(self.url, **options) if sync else None
         )
+        for engine in (self.engine.sync_engine, self.sync_engine):
+            if engine is not None:
+                _keep_no_session_state_behind_a_pooler(engine)
         self._claim_inbox = {
             policy: sa.text(_CLAIM_INBOX.format(dead=cond))
             for policy, cond in _INBOX_DEAD_BLOCKS.items()
@@ -535,6 +599,12 @@ class Store:
         assert self.sync_engine is not None, "a Store(sync=True) has a sync engine"
         with translate_errors(), self.sync_engine.begin() as conn:
             yield conn
+
+    async def notify(self, channel: str, payload: str) -> None:
+        """A notification on `channel`, sent through the database URL."""
+        with translate_errors():
+            async with self.engine.begin() as conn:
+                await conn.execute(NOTIFY_PAYLOAD, {"channel": channel, "payload": payload})
 
     async def ping(self) -> None:
         with translate_errors():
@@ -674,9 +744,20 @@ class Store:
         return HandlerSavepoints(conn.connection.driver_connection)
 
     def backend_pid(self, conn: sa.Connection) -> int | None:
-        """The PostgreSQL backend pid of a connection (no round trip)."""
+        """The PostgreSQL backend pid of a connection in a transaction (no
+        round trip). Behind a pooler, which gives its clients a made-up pid,
+        one round trip asks the server process that holds the transaction
+        (in transaction mode another may hold the next)."""
+        if conn.connection.info.get("relay_pooled"):
+            with translate_errors():
+                pid = conn.exec_driver_sql(pg.BACKEND_PID).scalar()
+            return int(pid) if pid is not None else None
         info = getattr(conn.connection.driver_connection, "info", None)
         return getattr(info, "backend_pid", None)
+
+
+# How long the listener's self-check waits for its own notification.
+SELF_CHECK_SECONDS = 5.0
 
 
 class Listener:
@@ -684,36 +765,84 @@ class Listener:
 
     Reconnects in a loop with backoff; while it is down the daemons still
     poll, so a lost notification costs at most one --poll-interval.
+
+    `notify(payload)` sends a notification on the channel the way producers'
+    commits do (through the --database-url, which may be a pooler's): on
+    each connect the listener sends one to itself and waits for it. When it
+    does not arrive (a PgBouncer in transaction mode between: the LISTEN
+    was lost with the server connection it ran on), the listener logs one
+    warning, lets go and leaves the daemon to poll.
     """
 
-    def __init__(self, conninfo: str, channel: str, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, conninfo: str, channel: str, wake: Callable[[], None],
+        notify: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.conninfo = conninfo
         self.channel = channel
         self.wake = wake
+        self.notify = notify
         self.connected = asyncio.Event()
+
+    @classmethod
+    def for_store(cls, store: Store, channel: str, wake: Callable[[], None],
+                  listen_url: str | None = None) -> Listener:
+        """A Listener on `listen_url` (else the store's database URL) that
+        checks itself with a notification sent through the store."""
+        conninfo = pg.libpq_url(listen_url) if listen_url else store.conninfo
+        return cls(conninfo, channel, wake,
+                   notify=lambda payload: store.notify(channel, payload))
 
     async def run(self) -> None:
         delay = 0.5
+        said = False  # one line per outage: the daemon's loop logs each of its waits
         while True:
             try:
                 async with await pg.connect(self.conninfo) as conn:
                     await conn.execute(f"LISTEN {self.channel}")  # a constant, never input
+                    if not await self._self_check(conn):
+                        log.warning(
+                            "LISTEN/NOTIFY does not work on this connection (%s): a "
+                            "notification sent to %s did not come back within %gs, as "
+                            "behind PgBouncer in transaction mode; polling every "
+                            "--poll-interval instead. Give --listen-url a direct "
+                            "PostgreSQL URL for LISTEN to get wake-ups.",
+                            redact_url(self.conninfo), self.channel, SELF_CHECK_SECONDS)
+                        with contextlib.suppress(psycopg.Error, OSError):
+                            await conn.execute("UNLISTEN *")
+                        break
                     self.connected.set()
-                    delay = 0.5
+                    delay, said = 0.5, False
                     # Rows committed while we were away: look once now.
                     self.wake()
                     async for _ in conn.notifies():
                         self.wake()
-            except (psycopg.OperationalError, OSError) as exc:
-                log.warning(
+            except (psycopg.OperationalError, OSError, DatabaseUnavailable) as exc:
+                log.log(
+                    logging.DEBUG if said else logging.WARNING,
                     "LISTEN %s connection lost (%s); polling until it is back",
                     self.channel,
                     _describe(exc),
                 )
+                said = True
             finally:
                 self.connected.clear()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
+        # A background task of the daemon's, which must not end: poll only.
+        await asyncio.Event().wait()
+
+    async def _self_check(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Send a notification through `notify` and wait for it here."""
+        if self.notify is None:
+            return True
+        token = f"relay-self-check-{uuid.uuid4().hex}"
+        await self.notify(token)
+        async for notification in conn.notifies(timeout=SELF_CHECK_SECONDS):
+            if notification.payload == token:
+                return True
+            self.wake()  # a producer's: a wake-up like any other
+        return False
 
 
 # --------------------------------------------------------------------------

@@ -403,12 +403,16 @@ _DYNAMIC_SQL_ALLOWED = {
     ("relay/store.py", 'f"LISTEN {self.channel}"'),  # a constant channel name
     # OutboxSession's simple-protocol commands: prepared once per connection,
     # then run with integers (int()) and UUIDs the claim returned (checked).
-    ("relay/store.py", '"PREPARE relay_claim(int, int, int) AS "\n'
-                       '                    + _CLAIM_OUTBOX.format(dead=_DEAD_BLOCKS[self.on_dead])\n'
+    ("relay/store.py", '"PREPARE relay_claim(int, int, int) AS " + self._claim_sql\n'
                        '                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED'),
-    ("relay/store.py",
-     'f"BEGIN; EXECUTE relay_claim({int(limit)}, {int(worker)}, {int(workers)})"'),
-    ("relay/store.py", 'f"EXECUTE relay_mark(\'{{{ids}}}\'); COMMIT" if ids else "COMMIT"'),
+    # `claim`: EXECUTE relay_claim(the integers), or behind a pooler the
+    # claim itself with those integers written in (relay.store._POOLED_SESSION).
+    ("relay/store.py", 'f"BEGIN; {claim}"'),
+    ("relay/store.py", 'f"EXECUTE relay_mark(\'{{{ids}}}\'); COMMIT"'),
+    ("relay/store.py", 'MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
+                       '                                   + "; COMMIT"'),
+    # psycopg's own composition: the name quoted as an identifier.
+    ("relay/demo.py", 'sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name)))'),
 }
 _SQL_CALLS = {"execute", "exec_driver_sql", "text", "scalar", "scalars"}
 

@@ -1,0 +1,106 @@
+"""A PgBouncer of the tests' own (Debian's `pgbouncer` package), in front
+of the test PostgreSQL: its own port, config and auth file in a temporary
+directory, stopped afterwards. PgBouncer refuses to run as root; as root
+it is started with `-u postgres` (or nobody), which reads the files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _reachable(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
+
+
+class PgBouncer:
+    """Also used by bench/pgbouncer.py; it imports nothing of the tests'."""
+
+    def __init__(self, pool_mode: str, pg_host: str = "127.0.0.1", pg_port: int = 5432,
+                 pg_user: str = "postgres") -> None:
+        self.pool_mode = pool_mode
+        self.pg_host, self.pg_port = pg_host, pg_port
+        self.port = _free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"relay-pgbouncer-{pool_mode}-"))
+        self.dir.chmod(0o755)
+        auth = self.dir / "users.txt"
+        auth.write_text(f'"{pg_user}" ""\n')
+        ini = self.dir / "pgbouncer.ini"
+        # Every database name goes to the test server (each test makes its
+        # own). In session mode the client's `options` are refused, as by
+        # default; in transaction mode ignored, as many set it up: relay
+        # must find the pooler either way.
+        ignored = "options" if pool_mode == "transaction" else ""
+        ini.write_text(f"""[databases]
+* = host={pg_host} port={pg_port}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {auth}
+admin_users = {pg_user}
+pool_mode = {pool_mode}
+ignore_startup_parameters = {ignored}
+max_client_conn = 1000
+default_pool_size = 60
+logfile =
+pidfile =
+""")
+        for path in (auth, ini):
+            path.chmod(0o644)
+        command = [shutil.which("pgbouncer") or "pgbouncer", str(ini)]
+        if os.geteuid() == 0:
+            command[1:1] = ["-u", _unprivileged_user()]
+        self.log = open(self.dir / "pgbouncer.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while not _reachable(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"pgbouncer did not start: {self.read_log()}")
+            time.sleep(0.05)
+
+    def url(self, direct_url: str) -> str:
+        """`direct_url` (a test database's) through this PgBouncer."""
+        return direct_url.replace(f"@{self.pg_host}:{self.pg_port}/", f"@127.0.0.1:{self.port}/")
+
+    def read_log(self) -> str:
+        return (self.dir / "pgbouncer.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _unprivileged_user() -> str:
+    for name in ("postgres", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise AssertionError("no unprivileged user to run pgbouncer as")
