@@ -18,12 +18,14 @@ Safe by default:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
 import logging
+import signal
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,7 +415,21 @@ async def serve(settings: ConsoleSettings) -> int:
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_config=None, log_level="warning", access_log=False,
                             lifespan="on")
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        # uvicorn re-raises SIGTERM after its shutdown, which would end the
+        # process by the signal; relay's commands exit 0 after a clean stop.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, self.handle_exit, signum, None)
+            try:
+                yield
+            finally:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(signum)
+
+    server = Server(config)
     log.info("console serving on http://%s:%d (%s)", settings.host, settings.port, mode,
              extra={"action": "console started"})
     await server.serve()
