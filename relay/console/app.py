@@ -196,6 +196,7 @@ class Console:
                **context: Any) -> HTMLResponse:
         context.update(
             request_path=request.url.path,
+            here=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
             writable=self.guard.writable,
             signed_in=self.guard.signed_in(request),
             csrf=self.guard.csrf() if self.guard.signed_in(request) else "",
