@@ -43,31 +43,28 @@ ERRORS = [
     "the body is not JSON: Expecting value: line 1 column 1 (char 0)",
 ]
 
+# One statement per table: {ids} are the table's own columns, {done} its
+# finished status and the column of when it finished.
 FILL = """
-INSERT INTO outbox (topic, key, type, payload, status, attempts, last_error,
-                    created_at, published_at)
-SELECT 'orders.' || (mod(i, 7)), CASE WHEN mod(i, 100) < 5 THEN 'k' || (mod(i, 5000)) END, 'OrderPlaced',
-       jsonb_build_object('i', i, 'pad', repeat('x', 150)),
-       CASE WHEN mod(i, 100) < 5 THEN 'dead' WHEN mod(i, 100) = 5 THEN 'pending' ELSE 'published' END,
+INSERT INTO {table} ({id_columns}topic, key, type, payload, status, attempts, last_error,
+                     {written}, {done_at})
+SELECT {ids}'orders.' || mod(i, 7), CASE WHEN mod(i, 100) < 5 THEN 'k' || mod(i, 5000) END,
+       'OrderPlaced', jsonb_build_object('i', i, 'pad', repeat('x', 150)),
+       CASE WHEN mod(i, 100) < 5 THEN 'dead' WHEN mod(i, 100) = 5 THEN 'pending'
+            ELSE '{done}' END,
        CASE WHEN mod(i, 100) < 5 THEN 10 ELSE 0 END,
        CASE WHEN mod(i, 100) < 5 THEN (%(errors)s::text[])[1 + mod(i, 6)] END,
        now() - (i * 86400.0 / %(rows)s) * interval '1 second',
        CASE WHEN mod(i, 100) >= 6 THEN now() - (i * 86400.0 / %(rows)s) * interval '1 second' END
 FROM generate_series(1, %(rows)s) i
 """
-FILL_INBOX = """
-INSERT INTO inbox (consumer, message_id, topic, key, type, payload, status, attempts,
-                   last_error, received_at, processed_at)
-SELECT 'consumer-' || (mod(i, 3)), 'm-' || i, 'orders.' || (mod(i, 7)),
-       CASE WHEN mod(i, 100) < 5 THEN 'k' || (mod(i, 5000)) END, 'OrderPlaced',
-       jsonb_build_object('i', i, 'pad', repeat('x', 150)),
-       CASE WHEN mod(i, 100) < 5 THEN 'dead' WHEN mod(i, 100) = 5 THEN 'pending' ELSE 'processed' END,
-       CASE WHEN mod(i, 100) < 5 THEN 10 ELSE 0 END,
-       CASE WHEN mod(i, 100) < 5 THEN (%(errors)s::text[])[1 + mod(i, 6)] END,
-       now() - (i * 86400.0 / %(rows)s) * interval '1 second',
-       CASE WHEN mod(i, 100) >= 6 THEN now() - (i * 86400.0 / %(rows)s) * interval '1 second' END
-FROM generate_series(1, %(rows)s) i;
-"""
+FILLS = [
+    FILL.format(table="outbox", id_columns="", ids="", written="created_at",
+                done_at="published_at", done="published"),
+    FILL.format(table="inbox", id_columns="consumer, message_id, ",
+                ids="'consumer-' || mod(i, 3), 'm-' || i, ", written="received_at",
+                done_at="processed_at", done="processed"),
+]
 
 
 def timed(url: str) -> tuple[float, float, int]:
@@ -90,7 +87,7 @@ def main(rows: int) -> dict[str, object]:
         url = asyncio.run(res.database("console"))
         started = time.perf_counter()
         with psycopg.connect(url, autocommit=True) as conn:
-            for fill in (FILL, FILL_INBOX):
+            for fill in FILLS:
                 conn.execute(fill, {"rows": rows, "errors": ERRORS})
             conn.execute("VACUUM ANALYZE outbox")
             conn.execute("VACUUM ANALYZE inbox")
