@@ -267,27 +267,39 @@ class DeadMessages:
         rows = rows[:limit]
         return Page(rows, _cursor(rows[-1].table, rows[-1].seq) if more and rows else None)
 
-    async def count(self, where: DeadFilter) -> dict[str, int]:
+    async def count(self, where: DeadFilter, cap: int | None = None) -> dict[str, int]:
+        """Matching dead rows per table; counting stops at `cap` when given."""
         counts: dict[str, int] = {}
         async with self._connect() as conn:
             for table in where.tables():
                 cond, params = where.where(table)
+                rows = f"SELECT 1 FROM {table} d WHERE {cond}"
+                if cap is not None:
+                    rows += " LIMIT :cap"
+                    params["cap"] = cap
                 counts[table] = await conn.scalar(
-                    sa.text(f"SELECT count(*) FROM {table} d WHERE {cond}"), params) or 0
+                    sa.text(f"SELECT count(*) FROM ({rows}) r"), params) or 0
         return counts
 
-    async def groups(self, where: DeadFilter, limit: int = 100) -> list[ErrorGroup]:
-        """Dead rows by error group (exception type and first line), largest first."""
+    async def groups(self, where: DeadFilter, limit: int = 100,
+                     newest: int | None = None) -> list[ErrorGroup]:
+        """Dead rows by error group (exception type and first line), largest first;
+        of only the `newest` rows of each table when given (a page's quick look)."""
         found: list[ErrorGroup] = []
         async with self._connect() as conn:
             for table in where.tables():
                 cond, params = where.where(table)
                 written = _COLUMNS[table][2]
+                source = f"{table} d WHERE {cond}"
+                if newest is not None:
+                    source = (f"(SELECT d.last_error, {written} FROM {source} "
+                              f"ORDER BY d.seq DESC LIMIT :newest) d")
+                    params["newest"] = newest
                 sql = (f"SELECT {ERROR_LINE.format(t='d')} AS error, count(*), max({written}) "
-                       f"FROM {table} d WHERE {cond} GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT :limit")
+                       f"FROM {source} GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT :limit")
                 params["limit"] = limit
-                for error, count, newest in await conn.execute(sa.text(sql), params):
-                    found.append(ErrorGroup(table, error, count, newest))
+                for error, count, latest in await conn.execute(sa.text(sql), params):
+                    found.append(ErrorGroup(table, error, count, latest))
         found.sort(key=lambda g: (-g.count, g.table, g.error))
         return found[:limit]
 

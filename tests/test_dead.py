@@ -239,3 +239,18 @@ def test_console_bad_options_exit_2(run_relay, flag):
     value = "http" if flag == "--port" else " "
     result = run_relay("console", flag, value)
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+async def test_a_page_may_count_up_to_a_cap_and_group_only_the_newest_rows(engine, database):
+    from relay.dead import DeadFilter, open_dead
+
+    dead_outbox(engine, 3, error="older")
+    dead_outbox(engine, 2, error="newer")
+    async with open_dead(database) as dead:
+        where = DeadFilter(table="outbox")
+        assert await dead.count(where) == {"outbox": 5}
+        assert await dead.count(where, cap=3) == {"outbox": 3}
+        assert [(g.error, g.count) for g in await dead.groups(where)] == [
+            ("older", 3), ("newer", 2)]
+        assert [(g.error, g.count) for g in await dead.groups(where, newest=2)] == [
+            ("newer", 2)]

@@ -51,6 +51,8 @@ log = logging.getLogger("relay.console")
 HERE = Path(__file__).parent
 COOKIE = "relay_console"
 PAGE_SIZE = 50
+COUNT_CAP = 10_000
+GROUP_NEWEST = 5_000
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 SECURITY_HEADERS = {
@@ -221,14 +223,18 @@ class Console:
         except DeadError as exc:
             return self.problem(request, 400, "Bad filter", str(exc))
         page = await self.dead.page(where, limit=PAGE_SIZE, after=after)
-        groups = await self.dead.groups(where, limit=20)
-        counts = await self.dead.count(where)
+        # Beside a million dead rows, counting and grouping them all would take
+        # seconds: the page counts up to COUNT_CAP and groups the newest
+        # GROUP_NEWEST of each table (`relay dead groups` takes them all).
+        groups = await self.dead.groups(where, limit=20, newest=GROUP_NEWEST)
+        counts = await self.dead.count(where, cap=COUNT_CAP + 1)
         shown = {k: v for k, v in values.items() if v is not None}
         next_url = None
         if page.next_cursor:
             next_url = "/dead?" + urllib.parse.urlencode({**shown, "after": page.next_cursor})
         return self.render(request, "dead.html", title="Dead messages", page=page,
                            groups=groups, counts=counts, filters=shown, next_url=next_url,
+                           count_cap=COUNT_CAP, group_newest=GROUP_NEWEST,
                            first_url="/dead?" + urllib.parse.urlencode(shown) if after else None,
                            group_url=lambda g: "/dead?" + urllib.parse.urlencode(
                                {**shown, "table": g.table, "group": g.error}),
@@ -336,7 +342,7 @@ class Console:
     async def _many(self, request: Request, what: str, f: dict[str, str]) -> Response:
         values = {k: (f.get(k) or None) for k in _FILTER_FIELDS}
         where = _filter(values)
-        counts = await self.dead.count(where)
+        counts = await self.dead.count(where)  # exact: the person confirms this number
         if f.get("confirm") != "yes":
             return self.render(request, "confirm.html", title="Confirm", action=what,
                                row=None, fields=f, count=sum(counts.values()),
