@@ -46,12 +46,12 @@ class Ambiguous(DeadError):
 
 
 # The error group of a row: the exception's type and first line. A handler's
-# last_error is a Python traceback, whose summary is its last line naming an
-# exception ("ValueError: boom"); any other text is grouped by its first line.
+# last_error is a Python traceback, whose summary is its last line
+# ("ValueError: boom"; of a chain, the last exception's); any other text is
+# grouped by its first line. String functions, not a regular expression:
+# a page groups thousands of rows.
 ERROR_LINE = r"""(CASE WHEN {t}.last_error LIKE 'Traceback (most recent call last):%'
-  THEN coalesce((regexp_match({t}.last_error,
-      E'[\\s\\S]*\\n([A-Za-z_][A-Za-z0-9_.]*(?::[^\\n]*)?)(?:\\n|$)'))[1],
-      split_part({t}.last_error, E'\n', 1))
+  THEN reverse(split_part(reverse(rtrim({t}.last_error, E' \n')), E'\n', 1))
   ELSE split_part(coalesce({t}.last_error, ''), E'\n', 1) END)"""
 
 # Per table: the id, the consumer (NULL for the outbox) and the time the row
@@ -201,6 +201,17 @@ class ErrorGroup:
     error: str
     count: int
     newest: datetime
+
+
+def summarize(rows: Sequence[DeadSummary], limit: int = 20) -> list[ErrorGroup]:
+    """The error groups of these rows, as DeadMessages.groups would count them."""
+    found: dict[tuple[str, str], ErrorGroup] = {}
+    for r in rows:
+        g = found.get((r.table, r.error))
+        found[(r.table, r.error)] = ErrorGroup(
+            r.table, r.error, (g.count if g else 0) + 1,
+            max(g.newest, r.written_at) if g else r.written_at)
+    return sorted(found.values(), key=lambda g: (-g.count, g.table, g.error))[:limit]
 
 
 def _cursor(table: str, seq: int) -> str:
@@ -538,5 +549,5 @@ async def open_dead(database_url: str) -> AsyncIterator[DeadMessages]:
 
 __all__ = [
     "Ambiguous", "DeadError", "DeadFilter", "DeadMessages", "DeadRow", "DeadSummary",
-    "ErrorGroup", "NotFound", "Page", "open_dead", "parse_cursor",
+    "ErrorGroup", "NotFound", "Page", "open_dead", "parse_cursor", "summarize",
 ]

@@ -242,11 +242,17 @@ def test_console_bad_options_exit_2(run_relay, flag):
 
 
 async def test_a_page_may_count_up_to_a_cap_and_group_only_the_newest_rows(engine, database):
-    from relay.dead import DeadFilter, open_dead
+    from relay.dead import DeadFilter, open_dead, summarize
 
     dead_outbox(engine, 3, error="older")
     dead_outbox(engine, 2, error="newer")
+    dead_inbox(engine, "m-1")
+    dead_inbox(engine, "m-2", error=TRACEBACK.replace("ValueError", "During handling:\n"
+                                                       "KeyError: 'x'\n\nValueError"))
     async with open_dead(database) as dead:
+        # A page that holds every match groups its rows as the database does.
+        everything = DeadFilter()
+        assert summarize((await dead.page(everything)).rows) == await dead.groups(everything)
         where = DeadFilter(table="outbox")
         assert await dead.count(where) == {"outbox": 5}
         assert await dead.count(where, cap=3) == {"outbox": 3}

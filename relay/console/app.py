@@ -42,7 +42,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from relay.config import redact_url
 from relay.console import overview as overview_module
 from relay.console.views import age, pretty_json
-from relay.dead import DeadError, DeadFilter, DeadMessages, NotFound, parse_cursor
+from relay.dead import (
+    DeadError,
+    DeadFilter,
+    DeadMessages,
+    NotFound,
+    parse_cursor,
+    summarize,
+)
 from relay.errors import ConfigError, DatabaseUnavailable
 from relay.store import Store
 
@@ -223,11 +230,18 @@ class Console:
         except DeadError as exc:
             return self.problem(request, 400, "Bad filter", str(exc))
         page = await self.dead.page(where, limit=PAGE_SIZE, after=after)
-        # Beside a million dead rows, counting and grouping them all would take
-        # seconds: the page counts up to COUNT_CAP and groups the newest
-        # GROUP_NEWEST of each table (`relay dead groups` takes them all).
-        groups = await self.dead.groups(where, limit=20, newest=GROUP_NEWEST)
-        counts = await self.dead.count(where, cap=COUNT_CAP + 1)
+        if after is None and page.next_cursor is None:
+            # Every match is on this page: count and group them here.
+            counts = {t: sum(r.table == t for r in page.rows) for t in where.tables()}
+            groups = summarize(page.rows)
+        else:
+            # Beside a million dead rows, counting and grouping them all takes
+            # seconds: the page counts up to COUNT_CAP and groups the newest
+            # GROUP_NEWEST of each table (`relay dead groups` takes them all),
+            # both at once, on connections of their own.
+            groups, counts = await asyncio.gather(
+                self.dead.groups(where, limit=20, newest=GROUP_NEWEST),
+                self.dead.count(where, cap=COUNT_CAP + 1))
         shown = {k: v for k, v in values.items() if v is not None}
         next_url = None
         if page.next_cursor:
