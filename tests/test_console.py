@@ -206,3 +206,19 @@ def test_relay_console_serves_on_loopback_by_default(start_relay):
     assert [line.split()[3] for line in listening.splitlines()] == [f"127.0.0.1:{port}"]
     proc.signal(signal.SIGTERM)
     assert proc.wait(15) == 0, proc.log
+
+
+def test_without_the_tables_the_overview_says_what_to_run(empty_database):
+    with client(empty_database) as c:
+        page = c.get("/")
+        assert page.status_code == 200 and "relay schema apply" in page.text
+        dead = c.get("/dead")
+        assert dead.status_code == 503 and "relay schema apply" in dead.text
+
+
+def test_an_unreachable_database_is_a_503_page_without_the_password():
+    with client("postgresql+psycopg://relay:s3cret-pw@127.0.0.1:1/nowhere") as c:
+        for path in ("/", "/dead"):
+            page = c.get(path)
+            assert page.status_code == 503 and "cannot reach PostgreSQL" in page.text
+            assert "s3cret-pw" not in page.text

@@ -50,7 +50,7 @@ from relay.dead import (
     parse_cursor,
     summarize,
 )
-from relay.errors import ConfigError, DatabaseUnavailable
+from relay.errors import ConfigError, DatabaseUnavailable, SchemaError
 from relay.store import Store
 
 log = logging.getLogger("relay.console")
@@ -198,6 +198,7 @@ class Console:
         self.store = store or Store(settings.database_url, pool_size=2)
         self.dead = DeadMessages(self.store)
         self.env = _environment()
+        self._schema_ok = False
 
     # -- rendering ---------------------------------------------------------------
 
@@ -217,11 +218,24 @@ class Console:
 
     # -- pages -------------------------------------------------------------------
 
+    async def ensure_schema(self) -> None:
+        """SchemaError until the tables are there at this relay's version (then no more checks)."""
+        if not self._schema_ok:
+            await self.store.check_schema()
+            self._schema_ok = True
+
     async def index(self, request: Request) -> Response:
+        try:
+            await self.ensure_schema()
+        except SchemaError as exc:  # the console is up: say what is missing
+            return self.render(request, "overview.html", title="Overview", scopes=[],
+                               schema_problem=str(exc))
         scopes = await overview_module.overview(self.store)
-        return self.render(request, "overview.html", title="Overview", scopes=scopes)
+        return self.render(request, "overview.html", title="Overview", scopes=scopes,
+                           schema_problem=None)
 
     async def dead_list(self, request: Request) -> Response:
+        await self.ensure_schema()
         values = {f: (request.query_params.get(f) or None) for f in _FILTER_FIELDS}
         after = request.query_params.get("after") or None
         try:
@@ -255,6 +269,7 @@ class Console:
                            message_url=_message_url)
 
     async def message(self, request: Request) -> Response:
+        await self.ensure_schema()
         q = request.query_params
         try:
             row = await self.dead.get(q.get("id", ""), table=q.get("table") or None,
@@ -271,6 +286,7 @@ class Console:
                                          if row.payload_text is not None else ""))
 
     async def keys(self, request: Request) -> Response:
+        await self.ensure_schema()
         held = await self.store.dead_keys(200)
         return self.render(request, "keys.html", title="Blocked keys", held=held,
                            dead_url=lambda table, consumer, key: "/dead?" + urllib.parse.urlencode(
@@ -306,6 +322,7 @@ class Console:
     # -- actions -------------------------------------------------------------------
 
     async def action(self, request: Request) -> Response:
+        await self.ensure_schema()
         form = await request.form()
         why = self.guard.refusal(request, form)
         if why is not None:
@@ -385,6 +402,9 @@ class Console:
             finally:
                 await self.store.close()
 
+        async def not_ready(request: Request, exc: Exception) -> Response:
+            return self.problem(request, 503, "Schema not ready", str(exc))
+
         async def unavailable(request: Request, exc: Exception) -> Response:
             return self.problem(request, 503, "Database unavailable",
                                 "The console cannot reach PostgreSQL right now; "
@@ -403,7 +423,7 @@ class Console:
                 Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
             ],
             lifespan=lifespan,
-            exception_handlers={DatabaseUnavailable: unavailable},
+            exception_handlers={DatabaseUnavailable: unavailable, SchemaError: not_ready},
         )
         return SecurityHeaders(app)
 
