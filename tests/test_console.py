@@ -222,3 +222,11 @@ def test_an_unreachable_database_is_a_503_page_without_the_password():
             page = c.get(path)
             assert page.status_code == 503 and "cannot reach PostgreSQL" in page.text
             assert "s3cret-pw" not in page.text
+
+
+def test_the_dead_list_filters_by_age_and_says_what_is_wrong(engine, console):
+    dead_outbox(engine, topic="recent")
+    assert "recent" in console.get("/dead?newer_than=1h").text
+    assert "1 dead outbox row" not in console.get("/dead?older_than=1h&table=outbox").text
+    bad = console.get("/dead?older_than=soon")
+    assert bad.status_code == 400 and "older than" in bad.text

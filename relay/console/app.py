@@ -39,7 +39,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from relay.config import redact_url
+from relay.config import parse_duration, redact_url
 from relay.console import overview as overview_module
 from relay.console.views import age, pretty_json
 from relay.dead import (
@@ -188,7 +188,8 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-_FILTER_FIELDS = ("table", "consumer", "topic", "type", "key", "error", "group")
+_FILTER_FIELDS = ("table", "consumer", "topic", "type", "key", "error", "group",
+                  "older_than", "newer_than")
 
 
 class Console:
@@ -429,9 +430,17 @@ class Console:
 
 
 def _filter(values: dict[str, str | None]) -> DeadFilter:
+    """The filter a form gave; DeadError for a bad table or age."""
+    ages: dict[str, float | None] = {}
+    for name in ("older_than", "newer_than"):
+        text = values[name]
+        try:
+            ages[name] = parse_duration(text) if text else None
+        except ConfigError as exc:
+            raise DeadError(f"{name.replace('_', ' ')}: {exc}") from None
     return DeadFilter(table=values["table"], consumer=values["consumer"],
                       topic=values["topic"], type=values["type"], key=values["key"],
-                      error=values["error"], group=values["group"])
+                      error=values["error"], group=values["group"], **ages)
 
 
 def _message_url(row: Any) -> str:
