@@ -142,3 +142,29 @@ async def test_every_page_fits_a_390_px_phone(engine, browser, console_url):
         assert width <= 390, (path, width)
     await page.goto(console_url + "/dead")
     await shot(page, "phone-dead")
+
+
+async def test_retry_a_non_json_inbox_message_until_its_handler_processed_it(
+        effects, rabbit, inbox, browser, console_url):
+    daemon = inbox()
+    await rabbit.publish("t", b"<not json/>", message_id="raw-7", type="RawBody")
+    wait_until(lambda: rows(effects, "SELECT 1 FROM inbox WHERE message_id = 'raw-7' "
+                                     "AND status = 'dead'"), timeout=30)
+    page = await browser.new_page()
+    await page.goto(console_url + "/dead?table=inbox")
+    await page.get_by_role("link", name="raw-7").click()
+    await page.get_by_text("<not json/>").wait_for()  # the raw body, as text
+    await page.fill("input[name=token]", TOKEN)
+    await page.get_by_role("button", name="sign in").click()
+    await page.get_by_role("button", name="Retry…", exact=True).click()
+    await page.get_by_role("button", name="Yes, retry").click()
+    await page.get_by_text("Retried inbox row raw-7").wait_for()
+
+    seen = wait_until(lambda: rows(effects, "SELECT key FROM effects "
+                                            "WHERE message_id = 'raw-7'"), timeout=30)
+    assert seen == [("body:" + b"<not json/>".hex(),)]
+    await page.goto(console_url + "/")
+    card = page.locator("section.card", has_text="inbox · " + daemon.queue)
+    assert "processed, last hour 1" in " ".join((await card.inner_text()).split())
+    assert rows(effects, "SELECT status FROM inbox WHERE message_id = 'raw-7'") == [
+        ("processed",)]
