@@ -330,6 +330,234 @@ def retry(table: str, ids: tuple[str, ...], all_dead: bool, consumer: str | None
     click.echo(f"retried {count} {table} row{'s' if count != 1 else ''}")
 
 
+# -- dead messages and the console ------------------------------------------------
+
+
+def _dead_filter(f: F) -> F:
+    for decorator in reversed([
+        click.option("--table", type=click.Choice(["outbox", "inbox"]), default=None,
+                     help="only this table [default: both]"),
+        click.option("--consumer", default=None, help="inbox only: this consumer's rows"),
+        click.option("--topic", default=None, help="rows of this topic"),
+        click.option("--type", "type_", default=None, help="rows of this message type"),
+        click.option("--key", default=None, help="rows of this key"),
+        click.option("--error", default=None,
+                     help="rows whose last_error contains this text (any case)"),
+        click.option("--group", default=None,
+                     help="rows of this error group, as `relay dead groups` prints it"),
+        click.option("--older-than", type=Duration(), default=None,
+                     help="rows written longer ago than this (90s, 30m, 24h, 7d)"),
+        click.option("--newer-than", type=Duration(), default=None,
+                     help="rows written more recently than this"),
+    ]):
+        f = decorator(f)
+    return _common(f)
+
+
+def _filter_from(kwargs: dict[str, Any]) -> Any:
+    from relay.dead import DeadError, DeadFilter
+
+    try:
+        return DeadFilter(
+            table=kwargs.pop("table"), consumer=kwargs.pop("consumer"),
+            topic=kwargs.pop("topic"), type=kwargs.pop("type_"), key=kwargs.pop("key"),
+            error=kwargs.pop("error"), group=kwargs.pop("group"),
+            older_than=kwargs.pop("older_than"), newer_than=kwargs.pop("newer_than"))
+    except DeadError as exc:
+        _fail_config(exc)
+
+
+def _dead_run(work: Callable[[Any], Coroutine[Any, Any, Any]], database_url: str) -> Any:
+    """Run `work(DeadMessages)`: bad input exits 2, a row not found exits 1."""
+    from relay.dead import DeadError, NotFound, open_dead
+
+    url = _build(config.normalize_database_url, url=database_url)
+
+    async def body() -> Any:
+        async with open_dead(url) as dead:
+            return await work(dead)
+
+    try:
+        return _run(body())
+    except NotFound as exc:
+        click.echo(f"relay: error: {exc}", err=True)
+        sys.exit(EXIT_FAILURE)
+    except DeadError as exc:
+        _fail_config(exc)
+
+
+@cli.group()
+def dead() -> None:
+    """Dead messages: list, show, group by error, edit, retry, discard."""
+
+
+@dead.command("list")
+@_dead_filter
+@click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
+              help="rows per page (0: every row, page after page)")
+@click.option("--after", default=None, help="the cursor a previous page printed")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON array")
+def dead_list(limit: int, after: str | None, as_json: bool, **kwargs: Any) -> None:
+    """List dead rows of both tables, newest first (outbox, then inbox)."""
+    where = _filter_from(kwargs)
+    _setup_logs(kwargs)
+
+    async def work(dead_rows: Any) -> tuple[list[Any], str | None]:
+        rows: list[Any] = []
+        cursor = after
+        while True:
+            page = await dead_rows.page(where, limit=limit or 500, after=cursor)
+            rows.extend(page.rows)
+            cursor = page.next_cursor
+            if limit or cursor is None:
+                return rows, cursor
+
+    rows, cursor = _dead_run(work, kwargs["database_url"])
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in rows]))
+    else:
+        for r in rows:
+            scope = r.table if r.consumer is None else f"inbox/{_shown(r.consumer)}"
+            click.echo(f"{scope}\t{r.id}\t{r.written_at:%Y-%m-%d %H:%M:%S}\t"
+                       f"topic={_maybe(r.topic)} type={_maybe(r.type)} key={_maybe(r.key)} "
+                       f"attempts={r.attempts}\t{r.error}")
+        if not rows:
+            click.echo("no dead rows", err=True)
+    if cursor is not None:
+        click.echo(f"more rows: add --after {cursor}", err=True)
+
+
+def _maybe(value: str | None) -> str:
+    return "-" if value is None else _shown(value)
+
+
+@dead.command("show")
+@click.argument("row_id", metavar="ID")
+@click.option("--table", type=click.Choice(["outbox", "inbox"]), default=None,
+              help="the row's table, when the id is dead in both")
+@click.option("--consumer", default=None, help="inbox: the row's consumer")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@_common
+def dead_show(row_id: str, table: str | None, consumer: str | None, as_json: bool,
+              **kwargs: Any) -> None:
+    """Print one dead row: payload, headers, raw body, attempts and the full last_error."""
+    _setup_logs(kwargs)
+    row = _dead_run(lambda d: d.get(row_id, table=table, consumer=consumer),
+                    kwargs["database_url"])
+    if as_json:
+        click.echo(json.dumps(row.to_json()))
+        return
+    from relay.console.views import describe_row
+
+    click.echo(describe_row(row))
+
+
+@dead.command("groups")
+@_dead_filter
+@click.option("--json", "as_json", is_flag=True, help="print one JSON array")
+def dead_groups(as_json: bool, **kwargs: Any) -> None:
+    """Dead rows grouped by error (exception type and first line), with counts."""
+    where = _filter_from(kwargs)
+    _setup_logs(kwargs)
+    groups = _dead_run(lambda d: d.groups(where), kwargs["database_url"])
+    if as_json:
+        click.echo(json.dumps([{"table": g.table, "error": g.error, "count": g.count,
+                                "newest": g.newest.isoformat()} for g in groups]))
+        return
+    for g in groups:
+        click.echo(f"{g.count}\t{g.table}\t{g.error}")
+    if not groups:
+        click.echo("no dead rows", err=True)
+
+
+@dead.command("retry")
+@click.option("--id", "ids", multiple=True, help="only this row (repeatable)")
+@click.option("--all", "every", is_flag=True, help="every dead row that matches (needed "
+                                                   "when no filter and no --id is given)")
+@_dead_filter
+def dead_retry(ids: tuple[str, ...], every: bool, **kwargs: Any) -> None:
+    """Put the dead rows that match back to pending with attempts reset."""
+    where = _filter_from(kwargs)
+    _setup_logs(kwargs)
+    if not ids and where.is_empty() and not every:
+        _fail_config(ConfigError("retry which rows? give a filter, --id ID or --all"))
+    done = _dead_run(lambda d: d.retry(where, ids=ids), kwargs["database_url"])
+    click.echo(", ".join(f"retried {n} {t} row{'s' if n != 1 else ''}" for t, n in done.items()))
+
+
+@dead.command("edit")
+@click.argument("row_id", metavar="ID")
+@click.option("--table", type=click.Choice(["outbox", "inbox"]), default=None,
+              help="the row's table, when the id is dead in both")
+@click.option("--consumer", default=None, help="inbox: the row's consumer")
+@click.option("--payload", default=None, help="the new payload: JSON text, or @FILE")
+@click.option("--headers", default=None, help="the new headers: a JSON object, or @FILE")
+@click.option("--retry/--no-retry", default=True, show_default=True,
+              help="retry the row once edited")
+@_common
+def dead_edit(row_id: str, table: str | None, consumer: str | None, payload: str | None,
+              headers: str | None, retry: bool, **kwargs: Any) -> None:
+    """Replace a dead row's payload or headers, then retry it."""
+    _setup_logs(kwargs)
+    payload, headers = _text_or_file(payload, "--payload"), _text_or_file(headers, "--headers")
+    before = _dead_run(lambda d: d.edit(row_id, table=table, consumer=consumer,
+                                        payload=payload, headers=headers, retry=retry),
+                       kwargs["database_url"])
+    what = " and ".join(n for n, v in (("payload", payload), ("headers", headers)) if v)
+    click.echo(f"edited the {what} of {before.summary.table} row {row_id}"
+               + (" and retried it" if retry else ""))
+
+
+def _text_or_file(value: str | None, flag: str) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail_config(ConfigError(f"{flag}: cannot read {value[1:]!r}: {exc}"))
+    return None
+
+
+@dead.command("discard")
+@click.option("--id", "ids", multiple=True, help="only this row (repeatable)")
+@click.option("--all", "every", is_flag=True, help="every dead row that matches (needed "
+                                                   "when no filter and no --id is given)")
+@click.option("--reason", default=None, help="kept with the discarded rows")
+@_dead_filter
+def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs: Any) -> None:
+    """Delete the dead rows that match, each kept whole in relay_discarded."""
+    where = _filter_from(kwargs)
+    _setup_logs(kwargs)
+    if not ids and where.is_empty() and not every:
+        _fail_config(ConfigError("discard which rows? give a filter, --id ID or --all"))
+    done = _dead_run(lambda d: d.discard(where, ids=ids, reason=reason),
+                     kwargs["database_url"])
+    click.echo(", ".join(f"discarded {n} {t} row{'s' if n != 1 else ''} (kept in "
+                         "relay_discarded)" for t, n in done.items()))
+
+
+@cli.command()
+@_common
+@option("--host", default="127.0.0.1", show_default=True,
+        help="address to serve on (anything but loopback exposes the console)")
+@option("--port", type=click.IntRange(1, 65535), default=8089, show_default=True,
+        help="port to serve on")
+@option("--console-token", default=None, show_envvar=True,
+        help="the token that allows changes (prefer the variable); unset: read only")
+def console(**kwargs: Any) -> None:
+    """Serve the operator's web console: overview, dead messages, retry, edit, discard."""
+    token = kwargs.pop("console_token") or None
+    _setup_logs(kwargs)
+    from relay.console.app import ConsoleSettings, serve
+
+    settings = _build(ConsoleSettings,
+                      database_url=_build(config.normalize_database_url,
+                                          url=kwargs["database_url"]),
+                      host=kwargs["host"], port=kwargs["port"], token=token)
+    sys.exit(_run(serve(settings)))
+
+
 def main() -> None:
     cli(prog_name="relay")
 

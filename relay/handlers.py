@@ -36,6 +36,9 @@ class Message:
     headers: Mapping[str, Any] = field(default_factory=dict)
     attempts: int = 0  # failed runs before this one
     consumer: str = ""
+    # The raw bytes of a body that was not JSON (payload is then None); None
+    # for a JSON body, so a handler tells a non-JSON body from a JSON null.
+    body: bytes | None = None
 
 
 Handler = Callable[[Message, Any], Any]

@@ -298,6 +298,9 @@ class Dispatcher:
         except ValueError as exc:  # stored by hand, or by an older relay
             return Failure(f"the row cannot be given to a handler: its JSON is {exc}",
                            permanent=True)
+        # A body that was not JSON (dead on arrival, then retried): its raw bytes.
+        body = (self.store.inbox_body(conn, self.settings.consumer_name, row.message_id)
+                if row.payload is None else None)
         message = Message(
             id=row.message_id,
             type=row.type,
@@ -307,6 +310,7 @@ class Dispatcher:
             headers=headers if isinstance(headers, dict) else {},
             attempts=row.attempts,
             consumer=self.settings.consumer_name,
+            body=body,
         )
         started = time.perf_counter()
         try:

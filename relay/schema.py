@@ -64,6 +64,20 @@ inbox = sa.Table(
     sa.Column("raw_properties", JSON),
 )
 
+# Discarded dead rows, kept whole (schema/004_dead_messages.sql, relay.dead).
+discarded = sa.Table(
+    "relay_discarded",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("source", sa.Text, nullable=False),
+    sa.Column("message_id", sa.Text, nullable=False),
+    sa.Column("consumer", sa.Text),
+    sa.Column("row_data", JSONB, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("discarded_at", sa.DateTime(timezone=True), nullable=False,
+              server_default=sa.func.now()),
+)
+
 VERSION_TABLE_DDL = """\
 CREATE TABLE IF NOT EXISTS relay_schema_version (
     version    int         PRIMARY KEY,

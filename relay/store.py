@@ -199,6 +199,9 @@ WHERE i.consumer = :consumer AND i.message_id = f.id
 RETURNING i.message_id, i.status
 """)
 
+# A retried row whose body was not JSON: its handler gets the raw bytes too.
+INBOX_BODY = sa.text("SELECT body FROM inbox WHERE consumer = :consumer AND message_id = :id")
+
 # -- retry ---------------------------------------------------------------------
 
 RETRY = {
@@ -738,6 +741,12 @@ class Store:
                         keys.append(key)
                     report[table] = [(c, keys, total) for c, (keys, total) in scopes.items()]
         return report
+
+    def inbox_body(self, conn: sa.Connection, consumer: str, message_id: str) -> bytes | None:
+        """The raw body kept for an inbox row whose body was not JSON."""
+        with translate_errors():
+            body = conn.execute(INBOX_BODY, {"consumer": consumer, "id": message_id}).scalar()
+        return bytes(body) if body is not None else None
 
     def handler_savepoints(self, conn: sa.Connection) -> HandlerSavepoints:
         """Savepoints for the handlers of the batch in `conn`'s transaction."""

@@ -116,3 +116,11 @@ def trace_effect(message: relay.Message, conn: sa.Connection) -> None:
     context = trace.get_current_span().get_span_context()
     conn.execute(_INSERT, {**_effect(message),
                            "tp": f"{context.trace_id:032x}-{context.span_id:016x}"})
+
+
+@registry.handler("RawBody")
+def raw_body(message: relay.Message, conn: sa.Connection) -> None:
+    """Records what it was given: the raw body (hex) or the JSON payload, in `key`."""
+    seen = (f"body:{message.body.hex()}" if message.body is not None
+            else f"payload:{message.payload!r}")
+    conn.execute(_INSERT, {**_effect(message), "k": seen})

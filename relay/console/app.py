@@ -1,0 +1,486 @@
+"""The console's web app: pages over relay.dead and relay.console.overview.
+
+Safe by default:
+- it binds 127.0.0.1 unless told otherwise;
+- without RELAY_CONSOLE_TOKEN it is read only: every action answers 403;
+  with it, a person signs in with the token (kept as an HttpOnly,
+  SameSite=Strict cookie holding an HMAC of the token, never the token) or
+  a client sends `Authorization: Bearer TOKEN`;
+- actions are POSTs only, and a cookie-signed POST must carry the form's
+  CSRF field (an HMAC of the token) and come from this origin (Origin or
+  Referer, when the browser sends them);
+- every action asks for confirmation first (a second POST with confirm=yes)
+  and then says what it did;
+- Jinja2 autoescapes everything: payloads, headers and errors are text;
+- the pages load nothing from elsewhere (one stylesheet of its own, no
+  JavaScript; the Content-Security-Policy says so to the browser).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import signal
+import urllib.parse
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from relay.config import parse_duration, redact_url
+from relay.console import overview as overview_module
+from relay.console.views import age, pretty_json
+from relay.dead import (
+    DeadError,
+    DeadFilter,
+    DeadMessages,
+    NotFound,
+    parse_cursor,
+    summarize,
+)
+from relay.errors import ConfigError, DatabaseUnavailable, SchemaError
+from relay.store import Store
+
+log = logging.getLogger("relay.console")
+
+HERE = Path(__file__).parent
+COOKIE = "relay_console"
+PAGE_SIZE = 50
+COUNT_CAP = 10_000
+GROUP_NEWEST = 5_000
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+SECURITY_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"),
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "same-origin",
+    "cache-control": "no-store",
+}
+
+
+@dataclass(frozen=True)
+class ConsoleSettings:
+    database_url: str
+    host: str = "127.0.0.1"
+    port: int = 8089
+    token: str | None = None  # None: read only
+
+    def __post_init__(self) -> None:
+        if not self.host.strip():
+            raise ConfigError("invalid --host: empty")
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("RELAY_CONSOLE_TOKEN is blank: unset it (read only) or give one")
+
+    def __repr__(self) -> str:
+        token = "set" if self.token else "unset"
+        return (f"ConsoleSettings(database_url={redact_url(self.database_url)!r}, "
+                f"host={self.host!r}, port={self.port}, token={token})")
+
+
+class Guard:
+    """Who may change things: the token, its session cookie and its CSRF field."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def _mac(self, purpose: str) -> str:
+        assert self.token is not None
+        return hmac.new(self.token.encode(), f"relay-console:{purpose}".encode(),
+                        hashlib.sha256).hexdigest()
+
+    @property
+    def writable(self) -> bool:
+        return self.token is not None
+
+    def session_value(self) -> str:
+        return self._mac("session")
+
+    def csrf(self) -> str:
+        return self._mac("csrf") if self.token else ""
+
+    def token_matches(self, given: str) -> bool:
+        return self.token is not None and hmac.compare_digest(
+            given.encode(), self.token.encode())
+
+    def bearer(self, request: Request) -> bool:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and self.token_matches(given.strip())
+
+    def signed_in(self, request: Request) -> bool:
+        if not self.writable:
+            return False
+        cookie = request.cookies.get(COOKIE, "")
+        return self.bearer(request) or hmac.compare_digest(
+            cookie.encode(), self.session_value().encode())
+
+    def refusal(self, request: Request, form: FormData) -> str | None:
+        """Why this POST may not change anything, or None when it may."""
+        if not self.writable:
+            return ("The console is read only: start it with RELAY_CONSOLE_TOKEN set "
+                    "to allow changes.")
+        if self.bearer(request):
+            return None
+        if not self.signed_in(request):
+            return "Sign in with the console token to change anything."
+        if not same_origin(request):
+            return "Refused: the request came from another site."
+        given = form.get("csrf")
+        if not isinstance(given, str) or not hmac.compare_digest(
+                given.encode(), self.csrf().encode()):
+            return "Refused: the form's CSRF field is missing or wrong; reload the page."
+        return None
+
+
+def same_origin(request: Request) -> bool:
+    """False when the browser says the request came from another origin."""
+    host = request.headers.get("host", "")
+    origin = request.headers.get("origin")
+    if origin is not None:
+        return origin != "null" and urllib.parse.urlsplit(origin).netloc == host
+    referer = request.headers.get("referer")
+    if referer is not None:
+        return urllib.parse.urlsplit(referer).netloc == host
+    return request.headers.get("sec-fetch-site", "same-origin") in ("same-origin", "none")
+
+
+class SecurityHeaders:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = message.setdefault("headers", [])
+                present = {k.lower() for k, _ in headers}
+                for name, value in SECURITY_HEADERS.items():
+                    if name.encode() not in present:
+                        headers.append((name.encode(), value.encode()))
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,  # every template: payloads and errors are text, never HTML
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True,
+    )
+    env.filters["age"] = age
+    env.filters["pretty"] = pretty_json
+    env.globals["chart"] = overview_module.chart
+    return env
+
+
+_FILTER_FIELDS = ("table", "consumer", "topic", "type", "key", "error", "group",
+                  "older_than", "newer_than")
+
+
+class Console:
+    def __init__(self, settings: ConsoleSettings, store: Store | None = None) -> None:
+        self.settings = settings
+        self.guard = Guard(settings.token)
+        self.store = store or Store(settings.database_url, pool_size=2)
+        self.dead = DeadMessages(self.store)
+        self.env = _environment()
+        self._schema_ok = False
+
+    # -- rendering ---------------------------------------------------------------
+
+    def render(self, request: Request, name: str, status: int = 200,
+               **context: Any) -> HTMLResponse:
+        context.update(
+            request_path=request.url.path,
+            here=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+            writable=self.guard.writable,
+            signed_in=self.guard.signed_in(request),
+            csrf=self.guard.csrf() if self.guard.signed_in(request) else "",
+        )
+        return HTMLResponse(self.env.get_template(name).render(**context), status_code=status)
+
+    def problem(self, request: Request, status: int, title: str, text: str) -> HTMLResponse:
+        return self.render(request, "problem.html", status=status, title=title, text=text)
+
+    # -- pages -------------------------------------------------------------------
+
+    async def ensure_schema(self) -> None:
+        """SchemaError until the tables are there at this relay's version (then no more checks)."""
+        if not self._schema_ok:
+            await self.store.check_schema()
+            self._schema_ok = True
+
+    async def index(self, request: Request) -> Response:
+        try:
+            await self.ensure_schema()
+        except SchemaError as exc:  # the console is up: say what is missing
+            return self.render(request, "overview.html", title="Overview", scopes=[],
+                               schema_problem=str(exc))
+        scopes = await overview_module.overview(self.store)
+        return self.render(request, "overview.html", title="Overview", scopes=scopes,
+                           schema_problem=None)
+
+    async def dead_list(self, request: Request) -> Response:
+        await self.ensure_schema()
+        values = {f: (request.query_params.get(f) or None) for f in _FILTER_FIELDS}
+        after = request.query_params.get("after") or None
+        try:
+            where = _filter(values)
+            parse_cursor(after)
+        except DeadError as exc:
+            return self.problem(request, 400, "Bad filter", str(exc))
+        page = await self.dead.page(where, limit=PAGE_SIZE, after=after)
+        if after is None and page.next_cursor is None:
+            # Every match is on this page: count and group them here.
+            counts = {t: sum(r.table == t for r in page.rows) for t in where.tables()}
+            groups = summarize(page.rows)
+        else:
+            # Beside a million dead rows, counting and grouping them all takes
+            # seconds: the page counts up to COUNT_CAP and groups the newest
+            # GROUP_NEWEST of each table (`relay dead groups` takes them all),
+            # both at once, on connections of their own.
+            groups, counts = await asyncio.gather(
+                self.dead.groups(where, limit=20, newest=GROUP_NEWEST),
+                self.dead.count(where, cap=COUNT_CAP + 1))
+        shown = {k: v for k, v in values.items() if v is not None}
+        next_url = None
+        if page.next_cursor:
+            next_url = "/dead?" + urllib.parse.urlencode({**shown, "after": page.next_cursor})
+        return self.render(request, "dead.html", title="Dead messages", page=page,
+                           groups=groups, counts=counts, filters=shown, next_url=next_url,
+                           count_cap=COUNT_CAP, group_newest=GROUP_NEWEST,
+                           first_url="/dead?" + urllib.parse.urlencode(shown) if after else None,
+                           group_url=lambda g: "/dead?" + urllib.parse.urlencode(
+                               {**shown, "table": g.table, "group": g.error}),
+                           message_url=_message_url)
+
+    async def message(self, request: Request) -> Response:
+        await self.ensure_schema()
+        q = request.query_params
+        try:
+            row = await self.dead.get(q.get("id", ""), table=q.get("table") or None,
+                                      consumer=q.get("consumer") or None)
+        except NotFound as exc:
+            return self.problem(request, 404, "Not found",
+                                f"{exc}: it may have been retried or discarded.")
+        except DeadError as exc:
+            return self.problem(request, 400, "Which message?", str(exc))
+        edit = request.url.path == "/edit"
+        return self.render(request, "edit.html" if edit else "message.html",
+                           title="Edit and retry" if edit else "Dead message", row=row,
+                           payload_text=(pretty_json(row.payload)
+                                         if row.payload_text is not None else ""))
+
+    async def keys(self, request: Request) -> Response:
+        await self.ensure_schema()
+        held = await self.store.dead_keys(200)
+        return self.render(request, "keys.html", title="Blocked keys", held=held,
+                           dead_url=lambda table, consumer, key: "/dead?" + urllib.parse.urlencode(
+                               {k: v for k, v in (("table", table), ("consumer", consumer),
+                                                  ("key", key)) if v is not None}))
+
+    # -- sign in -------------------------------------------------------------------
+
+    async def login(self, request: Request) -> Response:
+        form = await request.form()
+        if not self.guard.writable:
+            return self.problem(request, 403, "Read only", "The console is read only: "
+                                "start it with RELAY_CONSOLE_TOKEN set to allow changes.")
+        if not same_origin(request):
+            return self.problem(request, 403, "Refused", "The request came from another site.")
+        given = form.get("token")
+        if not isinstance(given, str) or not self.guard.token_matches(given):
+            log.warning("console: a sign-in with a wrong token")
+            return self.problem(request, 403, "Wrong token", "That is not the console token.")
+        back = form.get("next")
+        target = back if isinstance(back, str) and back.startswith("/") and not back.startswith(
+            "//") else "/"
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(COOKIE, self.guard.session_value(), httponly=True,
+                            samesite="strict", path="/")
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        response = RedirectResponse("/", status_code=303)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    # -- actions -------------------------------------------------------------------
+
+    async def action(self, request: Request) -> Response:
+        await self.ensure_schema()
+        form = await request.form()
+        why = self.guard.refusal(request, form)
+        if why is not None:
+            log.warning("console: refused an action: %s", why)
+            return self.problem(request, 403, "Not allowed", why)
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+        what = fields.get("action", "")
+        try:
+            if what in ("retry", "discard", "edit") and fields.get("id"):
+                return await self._one(request, what, fields)
+            if what in ("retry-all", "discard-all"):
+                return await self._many(request, what, fields)
+        except NotFound as exc:
+            return self.problem(request, 404, "Not found",
+                                f"{exc}: it may have been retried or discarded meanwhile.")
+        except DeadError as exc:
+            return self.problem(request, 400, "Not done", str(exc))
+        return self.problem(request, 400, "Unknown action", f"Unknown action {what!r}.")
+
+    async def _one(self, request: Request, what: str, f: dict[str, str]) -> Response:
+        table, row_id = f.get("table") or None, f["id"]
+        consumer = f.get("consumer") or None
+        row = await self.dead.get(row_id, table=table, consumer=consumer)
+        if f.get("confirm") != "yes":
+            return self.render(request, "confirm.html", title="Confirm", action=what,
+                               row=row, fields=f, count=None, filters={})
+        s = row.summary
+        name = f"{s.table} row {s.id}" + (f" of consumer {s.consumer}" if s.consumer else "")
+        if what == "retry":
+            await self.dead.retry(DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id])
+            done = f"Retried {name}: it is pending again, with attempts reset."
+        elif what == "discard":
+            await self.dead.discard(DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id],
+                                    reason=f.get("reason") or "discarded in the console")
+            done = f"Discarded {name}; a copy is kept in relay_discarded."
+        else:
+            payload = f.get("payload")
+            headers = f.get("headers")
+            if s.table == "inbox" and row.payload_text is None and not payload:
+                payload = None  # a non-JSON body left as it was
+            await self.dead.edit(s.id, table=s.table, consumer=s.consumer,
+                                 payload=payload or None, headers=headers or None)
+            done = f"Edited and retried {name}: it is pending again, with attempts reset."
+        log.info("console: %s", done)
+        return self.render(request, "done.html", title="Done", text=done,
+                           back_url="/dead?" + urllib.parse.urlencode({"table": s.table}))
+
+    async def _many(self, request: Request, what: str, f: dict[str, str]) -> Response:
+        values = {k: (f.get(k) or None) for k in _FILTER_FIELDS}
+        where = _filter(values)
+        counts = await self.dead.count(where)  # exact: the person confirms this number
+        if f.get("confirm") != "yes":
+            return self.render(request, "confirm.html", title="Confirm", action=what,
+                               row=None, fields=f, count=sum(counts.values()),
+                               filters={k: v for k, v in values.items() if v is not None})
+        if what == "retry-all":
+            done_counts = await self.dead.retry(where)
+            verb = "Retried"
+        else:
+            done_counts = await self.dead.discard(
+                where, reason=f.get("reason") or "discarded in the console")
+            verb = "Discarded"
+        parts = [f"{n} {t} row{'s' if n != 1 else ''}" for t, n in done_counts.items()]
+        done = f"{verb} {' and '.join(parts)}."
+        if verb == "Discarded":
+            done += " Copies are kept in relay_discarded."
+        log.info("console: %s", done)
+        return self.render(request, "done.html", title="Done", text=done, back_url="/dead")
+
+    # -- the app -----------------------------------------------------------------------
+
+    def app(self) -> ASGIApp:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: Starlette) -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                await self.store.close()
+
+        async def not_ready(request: Request, exc: Exception) -> Response:
+            return self.problem(request, 503, "Schema not ready", str(exc))
+
+        async def unavailable(request: Request, exc: Exception) -> Response:
+            return self.problem(request, 503, "Database unavailable",
+                                "The console cannot reach PostgreSQL right now; "
+                                "reload in a moment.")
+
+        app = Starlette(
+            routes=[
+                Route("/", self.index),
+                Route("/dead", self.dead_list),
+                Route("/message", self.message),
+                Route("/edit", self.message),
+                Route("/keys", self.keys),
+                Route("/login", self.login, methods=["POST"]),
+                Route("/logout", self.logout, methods=["POST"]),
+                Route("/action", self.action, methods=["POST"]),
+                Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+            ],
+            lifespan=lifespan,
+            exception_handlers={DatabaseUnavailable: unavailable, SchemaError: not_ready},
+        )
+        return SecurityHeaders(app)
+
+
+def _filter(values: dict[str, str | None]) -> DeadFilter:
+    """The filter a form gave; DeadError for a bad table or age."""
+    ages: dict[str, float | None] = {}
+    for name in ("older_than", "newer_than"):
+        text = values[name]
+        try:
+            ages[name] = parse_duration(text) if text else None
+        except ConfigError as exc:
+            raise DeadError(f"{name.replace('_', ' ')}: {exc}") from None
+    return DeadFilter(table=values["table"], consumer=values["consumer"],
+                      topic=values["topic"], type=values["type"], key=values["key"],
+                      error=values["error"], group=values["group"], **ages)
+
+
+def _message_url(row: Any) -> str:
+    params = {"table": row.table, "id": row.id}
+    if row.consumer is not None:
+        params["consumer"] = row.consumer
+    return "/message?" + urllib.parse.urlencode(params)
+
+
+def create_app(settings: ConsoleSettings) -> ASGIApp:
+    """The console as an ASGI app (for tests, or another ASGI server)."""
+    return Console(settings).app()
+
+
+async def serve(settings: ConsoleSettings) -> int:
+    """Serve the console until SIGTERM or SIGINT; returns the exit status."""
+    import uvicorn
+
+    mode = "changes need the console token" if settings.token else "read only"
+    if settings.host not in _LOOPBACK:
+        log.warning("console: serving on %s, not only on this machine", settings.host)
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_config=None, log_level="warning", access_log=False,
+                            lifespan="on")
+    class Server(uvicorn.Server):
+        # uvicorn re-raises SIGTERM after its shutdown, which would end the
+        # process by the signal; relay's commands exit 0 after a clean stop.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, self.handle_exit, signum, None)
+            try:
+                yield
+            finally:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(signum)
+
+    server = Server(config)
+    log.info("console serving on http://%s:%d (%s)", settings.host, settings.port, mode,
+             extra={"action": "console started"})
+    await server.serve()
+    return 0 if server.started else 1

@@ -1,0 +1,553 @@
+"""Dead messages: list, show, group, edit, retry and discard them.
+
+The library behind `relay dead …` and the console (relay.console). Both
+tables are covered; a filter picks rows by table, consumer, topic, type,
+key, error text, error group and age. Lists are paged by keyset on `seq`
+(newest first, outbox before inbox), walking the dead-only partial indexes
+of schema/004_dead_messages.sql, so a page costs the same beside a million
+live rows. Retries run the store's own RETRY statement; a discard moves the
+rows whole into `relay_discarded` in the same transaction (see
+docs/dead-messages.md for why a table and not a status).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from relay import storable
+from relay.errors import RelayError
+from relay.store import NOTIFY, RETRY, Store, translate_errors
+
+TABLES = ("outbox", "inbox")
+MAX_PAGE = 500
+
+
+class DeadError(RelayError):
+    """A request about dead rows that cannot be done as asked (bad input, no such row)."""
+
+
+class NotFound(DeadError):
+    """No dead row matches."""
+
+
+class Ambiguous(DeadError):
+    """An id matches dead rows in more than one table or consumer."""
+
+
+# The error group of a row: the exception's type and first line. A handler's
+# last_error is a Python traceback, whose summary is its last line
+# ("ValueError: boom"; of a chain, the last exception's); any other text is
+# grouped by its first line. String functions, not a regular expression:
+# a page groups thousands of rows.
+ERROR_LINE = r"""(CASE WHEN {t}.last_error LIKE 'Traceback (most recent call last):%'
+  THEN reverse(split_part(reverse(rtrim({t}.last_error, E' \n')), E'\n', 1))
+  ELSE split_part(coalesce({t}.last_error, ''), E'\n', 1) END)"""
+
+# Per table: the id, the consumer (NULL for the outbox) and the time the row
+# was written, under common names.
+_COLUMNS = {
+    "outbox": ("d.id::text", "NULL::text", "d.created_at"),
+    "inbox": ("d.message_id", "d.consumer", "d.received_at"),
+}
+
+
+@dataclass(frozen=True)
+class DeadFilter:
+    """Which dead rows: every field that is set must match."""
+
+    table: str | None = None  # outbox, inbox, or None for both
+    consumer: str | None = None
+    topic: str | None = None
+    type: str | None = None
+    key: str | None = None
+    error: str | None = None  # text anywhere in last_error, case-insensitive
+    group: str | None = None  # the error group, exactly (see ERROR_LINE)
+    older_than: float | None = None  # seconds since the row was written
+    newer_than: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.table is not None and self.table not in TABLES:
+            raise DeadError(f"unknown table {self.table!r}: use outbox or inbox")
+        if self.consumer is not None and self.table == "outbox":
+            raise DeadError("a consumer applies to the inbox only")
+        for name in ("older_than", "newer_than"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise DeadError(f"{name.replace('_', '-')} must not be negative")
+
+    def tables(self) -> tuple[str, ...]:
+        if self.table is not None:
+            return (self.table,)
+        # A consumer only exists in the inbox.
+        return ("inbox",) if self.consumer is not None else TABLES
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+    def where(self, table: str) -> tuple[str, dict[str, Any]]:
+        """The SQL condition (on alias `d`) and its parameters."""
+        written = _COLUMNS[table][2]
+        parts = ["d.status = 'dead'"]
+        params: dict[str, Any] = {}
+        if self.consumer is not None:
+            parts.append("d.consumer = :consumer")
+            params["consumer"] = self.consumer
+        for name in ("topic", "type", "key"):
+            value = getattr(self, name)
+            if value is not None:
+                parts.append(f"d.{name} = :{name}")
+                params[name] = value
+        if self.error:
+            parts.append("d.last_error ILIKE :error ESCAPE '\\'")
+            params["error"] = "%" + _like_escape(self.error) + "%"
+        if self.group is not None:
+            parts.append(f"{ERROR_LINE.format(t='d')} = :group")
+            params["group"] = self.group
+        if self.older_than is not None:
+            parts.append(f"{written} <= now() - make_interval(secs => :older_than)")
+            params["older_than"] = self.older_than
+        if self.newer_than is not None:
+            parts.append(f"{written} > now() - make_interval(secs => :newer_than)")
+            params["newer_than"] = self.newer_than
+        return " AND ".join(parts), params
+
+
+def _like_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+@dataclass(frozen=True)
+class DeadSummary:
+    """One dead row in a list."""
+
+    table: str
+    id: str  # outbox: the UUID; inbox: the message_id
+    consumer: str | None
+    seq: int
+    topic: str | None
+    key: str | None
+    type: str | None
+    attempts: int
+    error: str  # the error group: exception type and first line
+    written_at: datetime  # created_at (outbox) or received_at (inbox)
+    available_at: datetime
+
+    def to_json(self) -> dict[str, Any]:
+        """The row as `relay dead list --json` prints it."""
+        out: dict[str, Any] = {"table": self.table}
+        if self.table == "outbox":
+            out["id"] = self.id
+        else:
+            out["message_id"] = self.id
+            out["consumer"] = self.consumer
+        out.update(topic=self.topic, type=self.type, key=self.key, attempts=self.attempts,
+                   last_error=self.error, seq=self.seq)
+        out["created_at" if self.table == "outbox" else "received_at"] = (
+            self.written_at.isoformat())
+        out["available_at"] = self.available_at.isoformat()
+        return out
+
+
+@dataclass(frozen=True)
+class DeadRow:
+    """One dead row in full."""
+
+    summary: DeadSummary
+    payload: Any  # the JSON value; None both for JSON null and for a non-JSON body
+    payload_text: str | None  # the payload's JSON text as stored, None when not JSON
+    headers: dict[str, Any]
+    body: bytes | None  # inbox: the raw body when it was not JSON
+    last_error: str
+    raw_properties: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.summary.to_json()
+        out.update(payload=self.payload, headers=self.headers, last_error=self.last_error,
+                   error_group=self.summary.error)
+        if self.body is not None:
+            out["body_base64"] = base64.b64encode(self.body).decode()
+        if self.raw_properties is not None:
+            out["raw_properties"] = json.loads(self.raw_properties)
+        return out
+
+    @property
+    def body_text(self) -> str | None:
+        """The raw body as text (undecodable bytes as \\x escapes), for people to read."""
+        if self.body is None:
+            return None
+        return self.body.decode("utf-8", errors="backslashreplace")
+
+
+@dataclass(frozen=True)
+class Page:
+    rows: list[DeadSummary]
+    next_cursor: str | None  # give it as `after` for the next page
+
+
+@dataclass(frozen=True)
+class ErrorGroup:
+    table: str
+    error: str
+    count: int
+    newest: datetime
+
+
+def summarize(rows: Sequence[DeadSummary], limit: int = 20) -> list[ErrorGroup]:
+    """The error groups of these rows, as DeadMessages.groups would count them."""
+    found: dict[tuple[str, str], ErrorGroup] = {}
+    for r in rows:
+        g = found.get((r.table, r.error))
+        found[(r.table, r.error)] = ErrorGroup(
+            r.table, r.error, (g.count if g else 0) + 1,
+            max(g.newest, r.written_at) if g else r.written_at)
+    return sorted(found.values(), key=lambda g: (-g.count, g.table, g.error))[:limit]
+
+
+def _cursor(table: str, seq: int) -> str:
+    return f"{table}:{seq}"
+
+
+def parse_cursor(text: str | None) -> tuple[str, int] | None:
+    """`outbox:123` or `inbox:45` (from Page.next_cursor), or DeadError."""
+    if not text:
+        return None
+    table, _, seq = text.partition(":")
+    if table not in TABLES or not seq.isdigit():
+        raise DeadError(f"invalid cursor {text!r}: give the one a page printed")
+    return table, int(seq)
+
+
+_LIST = """
+SELECT {ident}, {consumer}, d.seq, d.topic, d.key, d.type, d.attempts,
+       {error_line}, {written}, d.available_at
+FROM {table} d
+WHERE {where} {after}
+ORDER BY d.seq DESC
+LIMIT :limit
+"""
+
+
+class DeadMessages:
+    """Dead rows of one database. Use as `async with DeadMessages(url) as dead:`,
+    or give it a Store that outlives it (the console's)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    # -- reading ----------------------------------------------------------------
+
+    async def page(self, where: DeadFilter, *, limit: int = 50,
+                   after: str | None = None) -> Page:
+        """One page of dead rows, newest first; outbox rows before inbox rows."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise DeadError(f"a page holds 1 to {MAX_PAGE} rows")
+        position = parse_cursor(after)
+        tables = where.tables()
+        if position is not None and position[0] in tables:
+            tables = tables[tables.index(position[0]):]
+        rows: list[DeadSummary] = []
+        async with self._connect() as conn:
+            for table in tables:
+                want = limit + 1 - len(rows)
+                if want <= 0:
+                    break
+                cond, params = where.where(table)
+                after_sql = ""
+                if position is not None and position[0] == table:
+                    after_sql = "AND d.seq < :after_seq"
+                    params["after_seq"] = position[1]
+                ident, consumer, written = _COLUMNS[table]
+                sql = _LIST.format(ident=ident, consumer=consumer, written=written,
+                                   error_line=ERROR_LINE.format(t="d"), table=table,
+                                   where=cond, after=after_sql)
+                params["limit"] = want
+                result = await conn.execute(sa.text(sql), params)
+                rows.extend(DeadSummary(table, *r) for r in result)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page(rows, _cursor(rows[-1].table, rows[-1].seq) if more and rows else None)
+
+    async def count(self, where: DeadFilter, cap: int | None = None) -> dict[str, int]:
+        """Matching dead rows per table; counting stops at `cap` when given."""
+        counts: dict[str, int] = {}
+        async with self._connect() as conn:
+            for table in where.tables():
+                cond, params = where.where(table)
+                rows = f"SELECT 1 FROM {table} d WHERE {cond}"
+                if cap is not None:
+                    rows += " LIMIT :cap"
+                    params["cap"] = cap
+                counts[table] = await conn.scalar(
+                    sa.text(f"SELECT count(*) FROM ({rows}) r"), params) or 0
+        return counts
+
+    async def groups(self, where: DeadFilter, limit: int = 100,
+                     newest: int | None = None) -> list[ErrorGroup]:
+        """Dead rows by error group (exception type and first line), largest first;
+        of only the `newest` rows of each table when given (a page's quick look)."""
+        found: list[ErrorGroup] = []
+        async with self._connect() as conn:
+            for table in where.tables():
+                cond, params = where.where(table)
+                written = _COLUMNS[table][2]
+                source = f"{table} d WHERE {cond}"
+                if newest is not None:
+                    source = (f"(SELECT d.last_error, {written} FROM {source} "
+                              f"ORDER BY d.seq DESC LIMIT :newest) d")
+                    params["newest"] = newest
+                sql = (f"SELECT {ERROR_LINE.format(t='d')} AS error, count(*), max({written}) "
+                       f"FROM {source} GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT :limit")
+                params["limit"] = limit
+                for error, count, latest in await conn.execute(sa.text(sql), params):
+                    found.append(ErrorGroup(table, error, count, latest))
+        found.sort(key=lambda g: (-g.count, g.table, g.error))
+        return found[:limit]
+
+    async def get(self, row_id: str, *, table: str | None = None,
+                  consumer: str | None = None) -> DeadRow:
+        """One dead row by its id (outbox) or message_id (inbox); NotFound or Ambiguous."""
+        where = DeadFilter(table=table, consumer=consumer)
+        found: list[DeadRow] = []
+        async with self._connect() as conn:
+            for name in where.tables():
+                found.extend(await self._fetch(conn, name, row_id, consumer))
+        if not found:
+            raise NotFound(f"no dead row with id {row_id!r}")
+        if len(found) > 1:
+            places = ", ".join(
+                r.summary.table if r.summary.consumer is None
+                else f"inbox consumer {r.summary.consumer!r}" for r in found)
+            raise Ambiguous(f"id {row_id!r} is dead in several places ({places}): "
+                            "say which with --table and --consumer")
+        return found[0]
+
+    async def _fetch(self, conn: AsyncConnection, table: str, row_id: str,
+                     consumer: str | None) -> list[DeadRow]:
+        ident, consumer_col, written = _COLUMNS[table]
+        params: dict[str, Any] = {"id": row_id}
+        if table == "outbox":
+            if not _is_uuid(row_id):
+                return []
+            match = "d.id = CAST(:id AS uuid)"
+            extra = "NULL::bytea, NULL::text"
+        else:
+            match = "d.message_id = :id"
+            if consumer is not None:
+                match += " AND d.consumer = :consumer"
+                params["consumer"] = consumer
+            extra = "d.body, d.raw_properties::text"
+        order = " ORDER BY d.consumer" if table == "inbox" else ""
+        sql = (f"SELECT {ident}, {consumer_col}, d.seq, d.topic, d.key, d.type, d.attempts, "
+               f"{ERROR_LINE.format(t='d')}, {written}, d.available_at, "
+               f"d.payload::text, d.headers::text, coalesce(d.last_error, ''), {extra} "
+               f"FROM {table} d WHERE d.status = 'dead' AND {match}{order}")
+        rows = []
+        for r in await conn.execute(sa.text(sql), params):
+            payload_text, headers_text, last_error, body, raw = r[10:]
+            rows.append(DeadRow(
+                summary=DeadSummary(table, *r[:10]),
+                payload=_loads(payload_text),
+                payload_text=payload_text,
+                headers=_loads(headers_text) or {},
+                body=bytes(body) if body is not None else None,
+                last_error=last_error,
+                raw_properties=raw,
+            ))
+        return rows
+
+    # -- changing -----------------------------------------------------------------
+
+    async def retry(self, where: DeadFilter, *, ids: Sequence[str] = ()) -> dict[str, int]:
+        """Dead rows matching `where` (and, when given, with these ids) back to
+        pending with attempts reset; returns how many per table."""
+        done: dict[str, int] = {}
+        async with self._transaction() as conn:
+            for table in where.tables():
+                count = 0
+                for consumer, chosen in (await self._select(conn, table, where, ids)).items():
+                    count += await _retry_rows(conn, table, chosen, consumer)
+                done[table] = count
+        return done
+
+    async def edit(self, row_id: str, *, table: str | None = None,
+                   consumer: str | None = None, payload: str | None = None,
+                   headers: str | None = None, retry: bool = True) -> DeadRow:
+        """Replace a dead row's payload and/or headers (JSON texts), then retry it
+        (unless retry=False), in one transaction. Returns the row as it was."""
+        if payload is None and headers is None:
+            raise DeadError("nothing to edit: give a payload or headers")
+        new_payload = _check_payload(payload) if payload is not None else None
+        new_headers = _check_headers(headers) if headers is not None else None
+        before = await self.get(row_id, table=table, consumer=consumer)
+        table, consumer = before.summary.table, before.summary.consumer
+        sets, params = [], {"id": row_id, "consumer": consumer}
+        if new_payload is not None:
+            sets.append("payload = CAST(:payload AS jsonb)")
+            params["payload"] = new_payload
+            if table == "inbox":
+                sets.append("body = NULL")  # the body is JSON now
+        if new_headers is not None:
+            sets.append("headers = CAST(:headers AS jsonb)")
+            params["headers"] = new_headers
+        match = ("id = CAST(:id AS uuid)" if table == "outbox"
+                 else "consumer = :consumer AND message_id = :id")
+        async with self._transaction() as conn:
+            result = await conn.execute(
+                sa.text(f"UPDATE {table} SET {', '.join(sets)} "
+                        f"WHERE {match} AND status = 'dead'"), params)
+            if result.rowcount != 1:
+                raise NotFound(f"the row {row_id!r} is no longer dead")
+            if retry:
+                await _retry_rows(conn, table, [row_id], consumer)
+        return before
+
+    async def discard(self, where: DeadFilter, *, ids: Sequence[str] = (),
+                      reason: str | None = None) -> dict[str, int]:
+        """Delete dead rows matching `where` (and these ids), each copied whole into
+        relay_discarded in the same transaction; returns how many per table."""
+        done: dict[str, int] = {}
+        async with self._transaction() as conn:
+            for table in where.tables():
+                count = 0
+                for consumer, chosen in (await self._select(conn, table, where, ids)).items():
+                    count += await _discard_rows(conn, table, chosen, consumer, reason)
+                done[table] = count
+        return done
+
+    async def _select(self, conn: AsyncConnection, table: str, where: DeadFilter,
+                      ids: Sequence[str]) -> dict[str | None, list[str]]:
+        """Ids of the matching dead rows, locked, by consumer (None for the outbox)."""
+        cond, params = where.where(table)
+        ident, consumer, _ = _COLUMNS[table]
+        if ids:
+            if table == "outbox":
+                ids = [i for i in ids if _is_uuid(i)]
+                if not ids:
+                    return {}
+                cond += " AND d.id = ANY(CAST(:ids AS uuid[]))"
+            else:
+                cond += " AND d.message_id = ANY(CAST(:ids AS text[]))"
+            params["ids"] = list(ids)
+        result = await conn.execute(
+            sa.text(f"SELECT {consumer}, {ident} FROM {table} d WHERE {cond} FOR UPDATE"),
+            params)
+        chosen: dict[str | None, list[str]] = {}
+        for owner, row_id in result:
+            chosen.setdefault(owner, []).append(row_id)
+        return chosen
+
+    # -- connections ----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _connect(self) -> AsyncIterator[AsyncConnection]:
+        with translate_errors():
+            async with self.store.engine.connect() as conn:
+                yield conn
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
+        async with self.store.transaction() as conn:
+            yield conn
+
+
+async def _retry_rows(conn: AsyncConnection, table: str, ids: Sequence[str],
+                      consumer: str | None) -> int:
+    """The store's RETRY statement (that of `relay retry`) on these rows, then a wake-up."""
+    params: dict[str, Any] = {"ids": list(ids), "all_dead": False}
+    if table == "inbox":
+        params["consumer"] = consumer
+    result = await conn.execute(RETRY[table], params)
+    await conn.execute(NOTIFY, {"channel": f"relay_{table}"})
+    return int(result.rowcount)
+
+
+_DISCARD = {
+    "outbox": """
+WITH gone AS (
+    DELETE FROM outbox WHERE status = 'dead' AND id = ANY(CAST(:ids AS uuid[])) RETURNING *)
+INSERT INTO relay_discarded (source, message_id, consumer, row_data, reason)
+SELECT 'outbox', gone.id::text, NULL, to_jsonb(gone), :reason FROM gone
+""",
+    "inbox": """
+WITH gone AS (
+    DELETE FROM inbox WHERE status = 'dead' AND consumer = :consumer
+      AND message_id = ANY(CAST(:ids AS text[])) RETURNING *)
+INSERT INTO relay_discarded (source, message_id, consumer, row_data, reason)
+SELECT 'inbox', gone.message_id, gone.consumer, to_jsonb(gone), :reason FROM gone
+""",
+}
+
+
+async def _discard_rows(conn: AsyncConnection, table: str, ids: Sequence[str],
+                        consumer: str | None, reason: str | None) -> int:
+    params: dict[str, Any] = {"ids": list(ids), "reason": reason}
+    if table == "inbox":
+        params["consumer"] = consumer
+    result = await conn.execute(sa.text(_DISCARD[table]), params)
+    return int(result.rowcount)
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _loads(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return storable.loads(text)
+    except ValueError:
+        return json.loads(text)
+
+
+def _check_payload(text: str) -> str:
+    """The payload as JSON text PostgreSQL takes, or DeadError saying why not."""
+    try:
+        storable.loads(text)
+    except ValueError as exc:
+        raise DeadError(f"the payload is not usable JSON: {exc}") from None
+    return text
+
+
+def _check_headers(text: str) -> str:
+    try:
+        value = storable.loads(text)
+    except ValueError as exc:
+        raise DeadError(f"the headers are not usable JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise DeadError("the headers must be a JSON object")
+    bad = [k for k, v in value.items() if not isinstance(v, str)]
+    if bad:
+        raise DeadError(f"header values must be strings: {', '.join(map(repr, bad[:5]))}")
+    return text
+
+
+@contextlib.asynccontextmanager
+async def open_dead(database_url: str) -> AsyncIterator[DeadMessages]:
+    """DeadMessages over a Store of its own, closed on exit."""
+    store = Store(database_url, pool_size=1)
+    try:
+        yield DeadMessages(store)
+    finally:
+        await store.close()
+
+
+__all__ = [
+    "Ambiguous", "DeadError", "DeadFilter", "DeadMessages", "DeadRow", "DeadSummary",
+    "ErrorGroup", "NotFound", "Page", "open_dead", "parse_cursor", "summarize",
+]
