@@ -77,6 +77,36 @@ def buffers(plan: list[str]) -> int:
     return 0
 
 
+_DONE = [0]  # rows marked by every worker
+
+
+async def _batch(conn: Any, claim: str, mark: str, params: dict[str, Any],
+                 args: argparse.Namespace) -> int | None:
+    """One claim, `--hold` ms in the transaction (the publish), one mark;
+    None once nothing is left to claim."""
+    rows = await (await conn.execute(claim, params)).fetchall()
+    if not rows:
+        await conn.rollback()
+        return None
+    ids = [r[0] for r in rows if not r[-1]]
+    if args.hold:
+        await asyncio.sleep(args.hold / 1000)
+    value: Any = ids if args.table == "outbox" else "[" + ",".join(f'"{i}"' for i in ids) + "]"
+    await conn.execute(mark, {"ids": value, "consumer": "bench"})
+    await conn.commit()
+    return len(ids)
+
+
+async def _worker(url: str, options: str, claim: str, mark: str, args: argparse.Namespace,
+                  worker: int) -> None:
+    """Another worker of the same relay: its own share of the keys."""
+    params = {"limit": args.batch, "worker": worker, "workers": args.workers,
+              "consumer": "bench"}
+    async with await psycopg.AsyncConnection.connect(url, options=options) as conn:
+        while (claimed := await _batch(conn, claim, mark, params, args)) is not None:
+            _DONE[0] += claimed
+
+
 async def run(args: argparse.Namespace) -> None:
     name = f"bench_churn_{uuid.uuid4().hex[:8]}"
     async with await admin() as conn:
@@ -88,9 +118,11 @@ async def run(args: argparse.Namespace) -> None:
         options = " ".join(["-c jit=off", *relay_store.OUTBOX_SESSION_OPTIONS])
         conn = await psycopg.AsyncConnection.connect(url, options=options)
         stats_conn = await connect(url, autocommit=True)
-        params: dict[str, Any] = {"limit": args.batch, "worker": 0, "workers": 1,
+        params: dict[str, Any] = {"limit": args.batch, "worker": 0, "workers": args.workers,
                                   "consumer": "bench"}
         done, tenth = 0, max(1, args.messages // 10)
+        others = [asyncio.create_task(_worker(url, options, claim, mark, args, w))
+                  for w in range(1, args.workers)]
         window_start, window_done = time.perf_counter(), 0
         await stats_conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
         print(f"{args.table}: {args.messages:,} rows, {args.keys} keys, batch {args.batch}")
@@ -119,7 +151,9 @@ async def run(args: argparse.Namespace) -> None:
                 row = await (await stats_conn.execute(
                     f"SELECT dead_tuple_percent FROM pgstattuple('{args.table}')")).fetchone()
                 idx = await (await stats_conn.execute(
-                    f"SELECT leaf_pages FROM pgstatindex('{args.table}_pending_seq')")).fetchone()
+                    "SELECT leaf_pages FROM pg_indexes, pgstatindex(indexname::regclass) "
+                    "WHERE tablename = %s AND indexname LIKE %s",
+                    (args.table, f"{args.table}_pending_%"))).fetchone()
                 assert row is not None and idx is not None
                 print(f"{done:>8,}  {rate:>6,.0f}  {buffers(plan):>9,}  {ms:>8.2f}  "
                       f"{buffers([r[0] for r in mark_plan]):>8,}  {dead:>10,}  "
@@ -129,17 +163,12 @@ async def run(args: argparse.Namespace) -> None:
                     print("\n".join("    " + line for line in plan))
                 window_start, window_done = time.perf_counter(), done
                 next_report = done + tenth
-            cur = await conn.execute(claim, params)
-            rows = await cur.fetchall()
-            if not rows:
-                await conn.rollback()
+            claimed = await _batch(conn, claim, mark, params, args)
+            if claimed is None:
                 break
-            ids = [r[0] for r in rows if not r[-1]]
-            value: Any = ids if args.table == "outbox" else (
-                "[" + ",".join(f'"{i}"' for i in ids) + "]")
-            await conn.execute(mark, {"ids": value, "consumer": "bench"})
-            await conn.commit()
-            done += len(ids)
+            _DONE[0] += claimed
+            done = _DONE[0]
+        await asyncio.gather(*others)
         await conn.close()
         await stats_conn.close()
     finally:
@@ -156,6 +185,11 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=150_000)
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="concurrent workers, each with its share of the keys (the outbox "
+                             "relay has 4, the inbox 3 dispatchers)")
+    parser.add_argument("--hold", type=float, default=0,
+                        help="ms between a batch's claim and its mark (the publish)")
     parser.add_argument("--explain", action="store_true", help="print the first and last plan")
     parser.add_argument("--keep", action="store_true", help="keep the database")
     asyncio.run(run(parser.parse_args()))

@@ -47,19 +47,32 @@ NOTIFY_INBOX = "relay_inbox"
 # - the outer filter marks rows `blocked` whose key has an earlier pending
 #   row that another relay holds right now: they stay pending, and the
 #   relay holding the key's head publishes them later.
-# The workers of one relay split the keys between them by hash, so they
-# never wait on each other. `{dead}` is the --on-dead policy; $1 is the
-# batch size, $2 the worker and $3 how many there are.
+# The workers of one relay split the keys between them by ranges of their
+# hash (keyless rows by the hash of their id), so they never wait on each
+# other; the pending index holds that hash, so a worker passes over the
+# other workers' rows without reading them from the table. `{dead}` is the
+# --on-dead policy; $1 is the batch size, $2 the worker and $3 how many
+# there are.
+#
+# Every pending row has seq >= `low`, the lowest pending seq in the
+# statement's snapshot: the main scan and the per-key probes start there.
+# Without it, each probe walked its key's index entries from the first:
+# those of every row of the key finished since the last vacuum, dead but
+# still in the index, so a message cost more the more had gone before it
+# in a backlog (docs/backlog.md). Only `low` itself still walks the dead
+# entries left of the lowest pending row, once per claim.
 _CLAIM_OUTBOX = """
 WITH low AS MATERIALIZED (
     SELECT coalesce(min(seq), 0) AS seq FROM outbox WHERE status = 'pending'
 ), locked AS (
     SELECT o.id, o.seq, o.topic, o.key, o.type, o.payload, o.headers, o.created_at, o.attempts
     FROM outbox o
-    WHERE o.status = 'pending' AND o.seq >= (SELECT seq FROM low) AND o.available_at <= now()
+    WHERE o.status = 'pending' AND o.seq >= (SELECT seq FROM low)
+      AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647) >= ($2::bigint << 31) / $3
+      AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647) < (($2::bigint + 1) << 31) / $3
+      AND o.available_at <= now()
       AND (o.key IS NULL OR (
-          (hashtext(o.key) & 2147483647) % $3 = $2
-          AND NOT EXISTS (
+          NOT EXISTS (
               SELECT 1 FROM outbox e
               WHERE e.key = o.key AND e.seq >= (SELECT seq FROM low) AND e.seq < o.seq
                 AND e.status <> 'published' AND e.status <> 'dead'
@@ -143,11 +156,14 @@ WITH low AS MATERIALIZED (
 ), locked AS (
     SELECT i.message_id, i.seq, i.topic, i.key, i.type, i.payload, i.headers, i.attempts
     FROM inbox i
-    WHERE i.consumer = :consumer AND i.status = 'pending'
-      AND i.seq >= (SELECT seq FROM low) AND i.available_at <= now()
+    WHERE i.consumer = :consumer AND i.status = 'pending' AND i.seq >= (SELECT seq FROM low)
+      AND (hashtext(coalesce(i.key, i.message_id)) & 2147483647)
+          >= (CAST(:worker AS bigint) << 31) / :workers
+      AND (hashtext(coalesce(i.key, i.message_id)) & 2147483647)
+          < ((CAST(:worker AS bigint) + 1) << 31) / :workers
+      AND i.available_at <= now()
       AND (i.key IS NULL OR (
-          (hashtext(i.key) & 2147483647) % :workers = :worker
-          AND NOT EXISTS (
+          NOT EXISTS (
               SELECT 1 FROM inbox e
               WHERE e.consumer = i.consumer AND e.key = i.key
                 AND e.seq >= (SELECT seq FROM low) AND e.seq < i.seq
