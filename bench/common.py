@@ -53,7 +53,10 @@ class BenchError(RuntimeError):
 
 
 def relay_command() -> list[str]:
-    """The installed `relay` console script of this venv."""
+    """The installed `relay` console script of this venv (BENCH_RELAY: another
+    one, e.g. an older relay's, to measure before and after side by side)."""
+    if os.environ.get("BENCH_RELAY"):
+        return [os.environ["BENCH_RELAY"]]
     script = Path(sys.executable).parent / "relay"
     return [str(script)] if script.exists() else [sys.executable, "-m", "relay.cli"]
 

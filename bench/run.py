@@ -48,6 +48,7 @@ import aio_pika
 import orjson
 
 from bench import limits
+from bench.backlog import scenario_backlog, scenario_retention
 from bench.common import (
     AMQP_URL,
     REPO,
@@ -86,6 +87,10 @@ class Sizes:
     memory: int
     scale_measured: int
     scale_pending: tuple[int, int]
+    backlog: int = 1_000_000
+    backlog_reference: int = 20_000
+    retention_rows: int = 1_000_000
+    retention_measured: int = 30_000
     latency_rates: tuple[int, ...] = (100, 500, 2000)
 
     def scaled(self, factor: float) -> Sizes:
@@ -105,7 +110,9 @@ FULL = Sizes(limit_pg=100_000, limit_amqp=100_000, naive=100_000, naive_seconds=
              memory=1_000_000, scale_measured=50_000, scale_pending=(1_000, 1_000_000))
 QUICK = Sizes(limit_pg=20_000, limit_amqp=5_000, naive=3_000, naive_seconds=3.0,
               drain=5_000, latency_seconds=2.0, inbox=5_000, sqs=300,
-              memory=3_000, scale_measured=5_000, scale_pending=(1_000, 10_000))
+              memory=3_000, scale_measured=5_000, scale_pending=(1_000, 10_000),
+             backlog=5_000, backlog_reference=2_000, retention_rows=10_000,
+             retention_measured=2_000)
 
 
 # --------------------------------------------------------------------------
@@ -560,6 +567,8 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "sqs": scenario_sqs,
     "memory": scenario_memory,
     "scale": scenario_scale,
+    "backlog": scenario_backlog,
+    "retention": scenario_retention,
 }
 
 
@@ -606,6 +615,15 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
               g("memory", f"{who}_rss_growth_10_to_90pct"), "<=", 10, "%", judged=not quick)
     check("cost at 1M pending / cost at 1k pending", g("scale", "cost_ratio"), "<=", 1.3, "x",
           judged=not quick)
+    for who in ("outbox", "inbox"):
+        check(f"backlog: {who} last fifth / first fifth", g("backlog", f"{who}_last_over_first"),
+              ">=", 0.9, "x", judged=not quick)
+    check("backlog: inbox over the backlog / over 20,000",
+          ratio(g("backlog", "inbox_whole"), g("backlog", "inbox_reference_rate")), ">=", 0.9,
+          "x", judged=not quick)
+    for who in ("outbox", "inbox"):
+        check(f"retention: {who} with 1M finished rows / empty",
+              g("retention", f"{who}_full_over_empty"), ">=", 0.9, "x", judged=not quick)
     return checks
 
 
@@ -706,6 +724,8 @@ async def machine_info() -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> int:
     quick = args.quick
     sizes = (QUICK if quick else FULL).scaled(args.scale)
+    if args.backlog:
+        sizes = dataclasses.replace(sizes, backlog=args.backlog)
     names = args.only or list(SCENARIOS)
     report = Report()
     started_at = datetime.now(UTC)
@@ -789,6 +809,9 @@ def main() -> None:
                         help=f"comma-separated scenarios: {','.join(SCENARIOS)}")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every message count by this (default 1)")
+    parser.add_argument("--backlog", type=int,
+                        help="messages per daemon in the backlog scenario "
+                             "[default: 1,000,000; --quick 5,000]")
     parser.add_argument("--out", help="JSON results file [default: bench/results/latest.json "
                                       "and a timestamped copy]")
     args = parser.parse_args()

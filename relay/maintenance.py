@@ -1,4 +1,5 @@
-"""Scheduled jobs of both daemons (APScheduler): retention and backlog gauges.
+"""Scheduled jobs of both daemons (APScheduler): retention and backlog gauges
+(pending rows, and the table's dead row versions and last vacuum).
 
 Retention deletes published outbox rows (processed inbox rows) older than
 --retention, 1000 rows per transaction so that no delete holds its locks
@@ -18,7 +19,7 @@ from typing import Any
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from relay.errors import Unavailable
-from relay.store import Store, delete_expired, pending_gauge
+from relay.store import Store, delete_expired, pending_gauge, table_health
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ async def run_scheduler(
             return
         metrics.pending.set(count)
         metrics.oldest_pending.set(age)
+        try:
+            dead, vacuumed = await table_health(store, table)
+        except Unavailable:
+            return
+        metrics.dead_tuples.labels(table=table).set(dead)
+        metrics.last_vacuum.labels(table=table).set(vacuumed)
 
     scheduler = AsyncIOScheduler(job_defaults={"coalesce": True, "max_instances": 1})
     now = datetime.now().astimezone()

@@ -22,6 +22,8 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_inbox_pending | gauge | pending rows in the table |
 | relay_inbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
 | relay_inbox_handler_seconds | histogram | one handler run |
+| relay_table_dead_tuples{table} | gauge | dead row versions of the daemon's table (pg_stat_user_tables.n_dead_tup) |
+| relay_table_last_vacuum_timestamp_seconds{table} | gauge | Unix time of the table's last vacuum or autovacuum (0: never) |
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ class _ClockedHistogram(Histogram):
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
         self.last_observed = time.monotonic()
         super().observe(amount, exemplar)
+
+
+def _table_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
+    """The daemon's table as autovacuum sees it (docs/backlog.md)."""
+    return (
+        Gauge("relay_table_dead_tuples",
+              "Dead row versions of the table (pg_stat_user_tables.n_dead_tup)",
+              ["table"], registry=r),
+        Gauge("relay_table_last_vacuum_timestamp_seconds",
+              "Unix time of the table's last vacuum or autovacuum (0: never)",
+              ["table"], registry=r),
+    )
 
 
 class OutboxMetrics:
@@ -79,6 +93,7 @@ class OutboxMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.dead_tuples, self.last_vacuum = _table_gauges(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -117,6 +132,7 @@ class InboxMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.dead_tuples, self.last_vacuum = _table_gauges(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,19 +48,34 @@ NOTIFY_INBOX = "relay_inbox"
 # - the outer filter marks rows `blocked` whose key has an earlier pending
 #   row that another relay holds right now: they stay pending, and the
 #   relay holding the key's head publishes them later.
-# The workers of one relay split the keys between them by hash, so they
-# never wait on each other. `{dead}` is the --on-dead policy; $1 is the
-# batch size, $2 the worker and $3 how many there are.
+# The workers of one relay split the keys between them by ranges of their
+# hash (keyless rows by the hash of their id), so they never wait on each
+# other; the pending index holds that hash, so a worker passes over the
+# other workers' rows without reading them from the table. `{dead}` is the
+# --on-dead policy; $1 is the batch size, $2 the worker and $3 how many
+# there are.
+#
+# Every pending row has seq >= `low`, the lowest pending seq in the
+# statement's snapshot: the main scan and the per-key probes start there.
+# Without it, each probe walked its key's index entries from the first:
+# those of every row of the key finished since the last vacuum, dead but
+# still in the index, so a message cost more the more had gone before it
+# in a backlog (docs/backlog.md). Only `low` itself still walks the dead
+# entries left of the lowest pending row, once per claim.
 _CLAIM_OUTBOX = """
-WITH locked AS (
+WITH low AS MATERIALIZED (
+    SELECT coalesce(min(seq), 0) AS seq FROM outbox WHERE status = 'pending'
+), locked AS (
     SELECT o.id, o.seq, o.topic, o.key, o.type, o.payload, o.headers, o.created_at, o.attempts
     FROM outbox o
-    WHERE o.status = 'pending' AND o.available_at <= now()
+    WHERE o.status = 'pending' AND o.seq >= (SELECT seq FROM low)
+      AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647) >= ($2::bigint << 31) / $3
+      AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647) < (($2::bigint + 1) << 31) / $3
+      AND o.available_at <= now()
       AND (o.key IS NULL OR (
-          (hashtext(o.key) & 2147483647) % $3 = $2
-          AND NOT EXISTS (
+          NOT EXISTS (
               SELECT 1 FROM outbox e
-              WHERE e.key = o.key AND e.seq < o.seq
+              WHERE e.key = o.key AND e.seq >= (SELECT seq FROM low) AND e.seq < o.seq
                 AND e.status <> 'published' AND e.status <> 'dead'
                 AND (e.available_at > now() OR e.attempts > 0))
           {dead}))
@@ -72,7 +87,7 @@ SELECT l.id::text AS id, l.seq, l.topic, l.key, l.type, l.payload::text AS paylo
        l.headers::text AS headers, l.created_at, l.attempts,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM outbox e
-           WHERE e.key = l.key AND e.seq < l.seq
+           WHERE e.key = l.key AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
              AND e.status <> 'published' AND e.status <> 'dead'
              AND e.id NOT IN (SELECT id FROM locked)) AS blocked
 FROM locked l
@@ -142,15 +157,23 @@ RETURNING o.id::text, o.status
 
 # The inbox twin of the outbox claim (see _CLAIM_OUTBOX), per consumer.
 _CLAIM_INBOX = """
-WITH locked AS (
+WITH low AS MATERIALIZED (
+    SELECT coalesce(min(seq), 0) AS seq FROM inbox
+    WHERE consumer = :consumer AND status = 'pending'
+), locked AS (
     SELECT i.message_id, i.seq, i.topic, i.key, i.type, i.payload, i.headers, i.attempts
     FROM inbox i
-    WHERE i.consumer = :consumer AND i.status = 'pending' AND i.available_at <= now()
+    WHERE i.consumer = :consumer AND i.status = 'pending' AND i.seq >= (SELECT seq FROM low)
+      AND (hashtext(coalesce(i.key, i.message_id)) & 2147483647)
+          >= (CAST(:worker AS bigint) << 31) / :workers
+      AND (hashtext(coalesce(i.key, i.message_id)) & 2147483647)
+          < ((CAST(:worker AS bigint) + 1) << 31) / :workers
+      AND i.available_at <= now()
       AND (i.key IS NULL OR (
-          (hashtext(i.key) & 2147483647) % :workers = :worker
-          AND NOT EXISTS (
+          NOT EXISTS (
               SELECT 1 FROM inbox e
-              WHERE e.consumer = i.consumer AND e.key = i.key AND e.seq < i.seq
+              WHERE e.consumer = i.consumer AND e.key = i.key
+                AND e.seq >= (SELECT seq FROM low) AND e.seq < i.seq
                 AND e.status <> 'processed' AND e.status <> 'dead'
                 AND (e.available_at > now() OR e.attempts > 0))
           {dead}))
@@ -162,7 +185,8 @@ SELECT l.message_id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
        l.headers::text AS headers, l.attempts,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM inbox e
-           WHERE e.consumer = :consumer AND e.key = l.key AND e.seq < l.seq
+           WHERE e.consumer = :consumer AND e.key = l.key
+             AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
              AND e.status <> 'processed' AND e.status <> 'dead'
              AND e.message_id NOT IN (SELECT message_id FROM locked)) AS blocked
 FROM locked l
@@ -881,6 +905,15 @@ PENDING_GAUGES = {
     ),
 }
 
+# The table's dead row versions and its last vacuum (manual or auto), from
+# the statistics collector: no scan of the table. Operators watch these to
+# see a backlog's churn outrun autovacuum (docs/backlog.md).
+TABLE_HEALTH = sa.text(
+    "SELECT n_dead_tup, "
+    "coalesce(extract(epoch FROM greatest(last_vacuum, last_autovacuum)), 0)::float8 "
+    "FROM pg_stat_user_tables WHERE relid = to_regclass(:table)"
+)
+
 
 async def delete_expired(store: Store, table: str, age: float, batch: int = 1000) -> int | None:
     """Delete finished rows older than `age` seconds, batch by batch.
@@ -906,3 +939,14 @@ async def pending_gauge(store: Store, table: str) -> tuple[int, float]:
         async with store.engine.connect() as conn:
             count, age = (await conn.execute(PENDING_GAUGES[table])).one()
     return int(count), float(age)
+
+
+async def table_health(store: Store, table: str) -> tuple[int, float]:
+    """The table's dead row versions and the Unix time of its last vacuum
+    (0: never), as the statistics collector last saw them."""
+    with translate_errors():
+        async with store.engine.connect() as conn:
+            row = (await conn.execute(TABLE_HEALTH, {"table": table})).one_or_none()
+    if row is None:
+        return 0, 0.0
+    return int(row[0]), float(row[1])

@@ -130,9 +130,11 @@ def keys_by_share(engine: sa.Engine, shares: int) -> dict[int, list[str]]:
     """Keys 'key-1' … 'key-1000' by the share of `shares` workers (outbox) or
     dispatchers (inbox) that claims them, hashed as the claims hash them."""
     by_share: dict[int, list[str]] = {}
-    for key, share in rows(engine, "SELECT k, (hashtext(k) & 2147483647) % :shares "
-                                   "FROM (SELECT 'key-' || i AS k "
-                                   "FROM generate_series(1, 1000) i) c", shares=shares):
+    for key, hashed in rows(engine, "SELECT k, hashtext(k) & 2147483647 "
+                                    "FROM (SELECT 'key-' || i AS k "
+                                    "FROM generate_series(1, 1000) i) c"):
+        # Share w takes the hashes in [(w << 31) // shares, ((w + 1) << 31) // shares).
+        share = next(w for w in range(shares) if hashed < ((w + 1) << 31) // shares)
         by_share.setdefault(share, []).append(key)
     return by_share
 

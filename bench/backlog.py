@@ -1,0 +1,243 @@
+"""Issue 24's scenarios: a long backlog, and a table whose retention window is full.
+
+- backlog: `relay outbox --once` over N pending rows, and `relay inbox` over
+  a queue preloaded with N messages in the outbox's wire format (a
+  one-INSERT handler), 100 keys each, with no VACUUM in between: the rate
+  over the first fifth of the messages beside the rate over the last
+  fifth. The inbox also runs over 20,000 messages on a fresh database, its
+  reference rate.
+- retention: each daemon over the same number of messages with the table
+  empty, then with 1,000,000 finished rows already in it (inside the
+  retention window, vacuumed, as autovacuum leaves a table in its steady
+  state), side by side.
+
+Rates come from the batches' own timestamps (`published_at`,
+`processed_at`: the start of each batch's transaction), as in bench.run.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import aio_pika
+
+from bench import limits
+from bench.common import (
+    AMQP_URL,
+    PAYLOAD_SQL,
+    BenchError,
+    Resources,
+    batch_times,
+    connect,
+    free_port,
+    payload,
+    scalar,
+)
+
+if TYPE_CHECKING:
+    from bench.run import Report, Sizes
+
+KEYS = 100
+REFERENCE = 20_000  # the inbox's reference run (issue 24)
+
+
+def window_rate(points: Sequence[tuple[float, int]], lo: float, hi: float) -> float | None:
+    """Rows per second from the batch that starts once `lo` of the rows are
+    done to the batch that starts once `hi` of them are (the last batch for
+    hi = 1), over the time between their starts. None without two batches."""
+    total = sum(n for _, n in points)
+    if len(points) < 2 or not total:
+        return None
+    done, first, last = 0, None, None
+    for t, n in points:
+        if first is None and done >= lo * total:
+            first = (t, done)
+        if done <= hi * total:
+            last = (t, done)
+        done += n
+    if first is None or last is None or last[0] <= first[0]:
+        return None
+    return (last[1] - first[1]) / (last[0] - first[0])
+
+
+def fifths(points: Sequence[tuple[float, int]]) -> tuple[float | None, float | None]:
+    """The rate over the first fifth of the rows and over the last."""
+    return window_rate(points, 0.0, 0.2), window_rate(points, 0.8, 1.0)
+
+
+MEASURED_TOPIC = "bench.backlog"
+RETAINED_TOPIC = "bench.retained"
+
+
+async def preload_outbox(url: str, count: int, *, status: str = "pending",
+                         age_hours: float = 0.0) -> None:
+    """`count` outbox rows of 100 keys; finished ones published over the
+    last `age_hours` hours (inside the default retention of a day)."""
+    finished = status != "pending"
+    async with await connect(url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO outbox (topic, key, type, payload, status, published_at, created_at) "
+            f"SELECT %s, 'k' || (i %% {KEYS}), 'Bench', {PAYLOAD_SQL}, %s, "
+            "CASE WHEN %s THEN now() - make_interval(secs => %s * 3600 * (1 - i::float8 / %s)) "
+            "END, now() - make_interval(secs => %s * 3600 * (1 - i::float8 / %s)) "
+            "FROM generate_series(1, %s) AS i",
+            (RETAINED_TOPIC if finished else MEASURED_TOPIC, status, finished, age_hours, count,
+             age_hours, count, count),
+        )
+        await conn.execute("VACUUM ANALYZE outbox" if finished else "ANALYZE outbox")
+
+
+async def preload_inbox_rows(url: str, consumer: str, count: int, age_hours: float) -> None:
+    """`count` processed inbox rows of `consumer`, processed over the last
+    `age_hours` hours (inside the default retention of a week), vacuumed."""
+    async with await connect(url, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO inbox (consumer, message_id, topic, key, type, payload, status, "
+            "processed_at, received_at) "
+            f"SELECT %s, gen_random_uuid()::text, %s, 'k' || (i %% {KEYS}), "
+            f"'Bench', {PAYLOAD_SQL}, 'processed', "
+            "now() - make_interval(secs => %s * 3600 * (1 - i::float8 / %s)), "
+            "now() - make_interval(secs => %s * 3600 * (1 - i::float8 / %s)) "
+            "FROM generate_series(1, %s) AS i",
+            (consumer, RETAINED_TOPIC, age_hours, count, age_hours, count, count),
+        )
+        await conn.execute("VACUUM ANALYZE inbox")
+
+
+def keyed_message(i: int) -> aio_pika.Message:
+    """A message as `relay outbox` sends a row of one of 100 keys."""
+    return aio_pika.Message(
+        payload(i),
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=str(uuid.uuid4()),
+        type="Bench",
+        headers={"x-relay-key": f"k{i % KEYS}"},
+    )
+
+
+async def fill_queue(res: Resources, exchange: str, queue: str, count: int) -> None:
+    await limits.publish_window(AMQP_URL, exchange, MEASURED_TOPIC, count, make=keyed_message)
+    depth = await res.queue_depth(queue)
+    if depth != count:
+        raise BenchError(f"queue holds {depth} of {count} messages before the run")
+
+
+async def dead_tuples(url: str, table: str) -> int:
+    return int(await scalar(url, "SELECT n_dead_tup FROM pg_stat_user_tables "
+                                 "WHERE relname = %s", (table,)) or 0)
+
+
+async def run_outbox(res: Resources, url: str, exchange: str, count: int) -> list[
+        tuple[float, int]]:
+    """`relay outbox --once` until every pending row is published; its batches."""
+    from bench.run import _daemon_args
+
+    proc = res.relay("outbox", "outbox", "--once", *_daemon_args(url, exchange))
+    await proc.wait_log("outbox relay started", timeout=120)
+    code = await proc.wait_exit(timeout=max(300.0, count / 300))
+    if code != 0:
+        raise BenchError(f"relay outbox --once exited {code}:\n{proc.tail()}")
+    return await batch_times(url, "outbox", where=f"AND topic = '{MEASURED_TOPIC}'")
+
+
+async def run_inbox(res: Resources, url: str, exchange: str, queue: str, count: int,
+                    already: int = 0) -> list[tuple[float, int]]:
+    """`relay inbox` until `count` rows are processed; its batches."""
+    from bench.run import _daemon_args, wait_metric
+
+    port = free_port()
+    proc = res.relay("inbox", "inbox", *_daemon_args(url, exchange), "--queue", queue,
+                     "--handlers", "bench.handlers", "--http-port", str(port))
+    await proc.wait_log("inbox started", timeout=120)
+    await wait_metric(proc, port, "relay_inbox_processed_total", count,
+                      timeout=max(300.0, count / 150), interval=1.0 if count > 100_000 else 0.1,
+                      fail_on="relay_inbox_failed_total")
+    code = await proc.stop()
+    if code != 0:
+        raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
+    got = await scalar(url, "SELECT count(*) FROM bench_effects")
+    if got != count:
+        raise BenchError(f"handler rows: {got}, expected {count}")
+    return await batch_times(url, "inbox", where=f"AND topic = '{MEASURED_TOPIC}'")
+
+
+def _report_fifths(report: Report, scenario: str, who: str, points: Sequence[tuple[float, int]],
+                   count: int, **extra: Any) -> None:
+    first, last = fifths(points)
+    report.add(scenario, f"{who}_first_fifth", first, "msgs/s", messages=count, **extra)
+    report.add(scenario, f"{who}_last_fifth", last, "msgs/s")
+    report.add(scenario, f"{who}_whole", window_rate(points, 0.0, 1.0), "msgs/s")
+    if first and last:
+        report.add(scenario, f"{who}_last_over_first", last / first, "x")
+
+
+async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
+    """Each daemon over a backlog of N messages (100 keys, no VACUUM)."""
+    from bench.run import _create_effects
+
+    count = sz.backlog
+    # relay outbox --once over N rows.
+    url = await res.database("backlog_out")
+    exchange, queue = res.names("backlog_out")
+    await res.bind_queue(exchange, queue)
+    await preload_outbox(url, count)
+    started = time.monotonic()
+    points = await run_outbox(res, url, exchange, count)
+    _report_fifths(report, "backlog", "outbox", points, count,
+                   seconds=round(time.monotonic() - started, 1))
+    report.add("backlog", "outbox_dead_tuples_at_end", await dead_tuples(url, "outbox"), "rows")
+    await res.drop_database(url)
+    channel = await (await res.amqp()).channel()
+    await (await channel.declare_queue(queue, passive=True)).purge()
+    await channel.close()
+
+    # relay inbox: 20,000 messages (the reference), then N.
+    for label, n in (("inbox_reference", min(sz.backlog_reference, count)), ("inbox", count)):
+        url = await res.database(f"backlog_{label}")
+        await _create_effects(url)
+        exchange, queue = res.names(f"backlog_{label}")
+        await res.bind_queue(exchange, queue)
+        await fill_queue(res, exchange, queue, n)
+        points = await run_inbox(res, url, exchange, queue, n)
+        if label == "inbox":
+            _report_fifths(report, "backlog", "inbox", points, n)
+            report.add("backlog", "inbox_dead_tuples_at_end", await dead_tuples(url, "inbox"),
+                       "rows")
+        else:
+            report.add("backlog", "inbox_reference_rate", window_rate(points, 0.0, 1.0),
+                       "msgs/s", messages=n)
+        await res.drop_database(url)
+
+
+async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
+    """Each daemon over M messages, the table empty vs holding 1M finished rows."""
+    from bench.run import _create_effects
+
+    measured, finished = sz.retention_measured, sz.retention_rows
+    for table in ("outbox", "inbox"):
+        for label, rows in (("empty", 0), ("full", finished)):
+            url = await res.database(f"ret_{table}_{label}")
+            exchange, queue = res.names(f"ret_{table}_{label}")
+            await res.bind_queue(exchange, queue)
+            if table == "outbox":
+                if rows:
+                    await preload_outbox(url, rows, status="published", age_hours=20)
+                await preload_outbox(url, measured)
+                points = await run_outbox(res, url, exchange, measured)
+            else:
+                await _create_effects(url)
+                if rows:
+                    await preload_inbox_rows(url, queue, rows, age_hours=24 * 6)
+                await fill_queue(res, exchange, queue, measured)
+                points = await run_inbox(res, url, exchange, queue, measured)
+            report.add("retention", f"{table}_{label}", window_rate(points, 0.0, 1.0),
+                       "msgs/s", messages=measured, finished_rows=rows)
+            await res.drop_database(url)
+        empty, full = report.get("retention", f"{table}_empty"), report.get(
+            "retention", f"{table}_full")
+        if empty and full:
+            report.add("retention", f"{table}_full_over_empty", full / empty, "x")

@@ -1,0 +1,88 @@
+"""A long backlog (issue 24): the tables' storage settings and index, and the
+gauges that show operators their dead row versions and last vacuum, against
+the real PostgreSQL and RabbitMQ."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import orjson
+import sqlalchemy as sa
+
+from tests.conftest import free_port, insert_outbox, rows, wait_until
+from tests.test_operations import metric_is, scrape
+
+
+def _vacuum(engine: sa.Engine, table: str) -> None:
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text(f"VACUUM {table}"))
+
+
+def _gauge(port: int, name: str, table: str) -> float | None:
+    try:
+        return scrape(port).get(f'{name}{{table="{table}"}}')
+    except OSError:  # not listening yet
+        return None
+
+
+def _reaches(port: int, name: str, table: str, ok: Callable[[float], bool]
+             ) -> Callable[[], bool]:
+    def check() -> bool:
+        value = _gauge(port, name, table)
+        return value is not None and ok(value)
+    return check
+
+
+def _dead_tuples_then_vacuum(engine: sa.Engine, port: int, table: str, finished: int) -> None:
+    """Each finished row left a dead version; a VACUUM clears them and is dated."""
+    wait_until(_reaches(port, "relay_table_dead_tuples", table, lambda v: v >= finished),
+               timeout=60, message=f"{table}'s dead tuples in /metrics")
+    assert _gauge(port, "relay_table_last_vacuum_timestamp_seconds", table) == 0.0
+    before = time.time()
+    _vacuum(engine, table)
+    wait_until(_reaches(port, "relay_table_last_vacuum_timestamp_seconds", table,
+                        lambda v: v >= before - 1), timeout=60,
+               message=f"{table}'s last vacuum in /metrics")
+    assert _gauge(port, "relay_table_last_vacuum_timestamp_seconds", table) <= time.time() + 1
+    wait_until(_reaches(port, "relay_table_dead_tuples", table, lambda v: v == 0), timeout=60)
+
+
+async def test_outbox_exports_its_table_dead_tuples_and_last_vacuum(engine, rabbit,
+                                                                    start_relay):
+    await rabbit.queue("b.#")
+    insert_outbox(engine, 30, topic="b.x", keys=3)
+    port = free_port()
+    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--http-port", str(port))
+    wait_until(metric_is(port, "relay_outbox_published_total", 30.0), timeout=30)
+    _dead_tuples_then_vacuum(engine, port, "outbox", 30)
+    daemon.stop()
+
+
+async def test_inbox_exports_its_table_dead_tuples_and_last_vacuum(effects, rabbit, inbox):
+    port = free_port()
+    inbox("--http-port", str(port))
+    for n in range(20):
+        await rabbit.publish("b.x", orjson.dumps({"n": n}), message_id=f"b-{n}", type="Effect")
+    wait_until(metric_is(port, "relay_inbox_processed_total", 20.0), timeout=30)
+    _dead_tuples_then_vacuum(effects, port, "inbox", 20)
+
+
+def test_schema_sets_queue_table_autovacuum_settings(engine):
+    for table in ("outbox", "inbox"):
+        [(options,)] = rows(engine, "SELECT reloptions FROM pg_class WHERE oid = "
+                                    "CAST(:t AS regclass)", t=table)
+        assert {"autovacuum_vacuum_scale_factor=0.02", "autovacuum_vacuum_threshold=10000",
+                "autovacuum_vacuum_cost_limit=2000"} <= set(options)
+
+
+def test_pending_index_holds_the_share_and_no_finished_row(engine):
+    """The claim passes over other workers' rows in the index: the pending
+    index carries the share's hash, and only pending rows."""
+    defs = dict(rows(engine, "SELECT indexname, indexdef FROM pg_indexes "
+                             "WHERE tablename IN ('outbox', 'inbox')"))
+    assert "outbox_pending_seq" not in defs and "inbox_pending_seq" not in defs
+    for name, column in (("outbox_pending_share", "(id)::text"),
+                         ("inbox_pending_share", "message_id")):
+        assert f"hashtext(COALESCE(key, {column}))" in defs[name]
+        assert "WHERE (status = 'pending'::text)" in defs[name]
