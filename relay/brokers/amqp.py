@@ -14,6 +14,7 @@ that answers, starting after the node whose connection was lost.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -607,7 +608,10 @@ class AmqpConsumer(_Client):
             underlay = await channel.get_underlay_channel()
             _deliver_directly(underlay, received.put_nowait)
             await underlay.basic_consume(queue.name, on_message)
-            channel.close_callbacks.add(self._on_close)
+            # Bound to this connection's queue: the old channel of a lost
+            # connection may report its close late, when a new connection
+            # (maybe to another node) is already consuming.
+            channel.close_callbacks.add(functools.partial(self._on_close, received))
         except _CONNECTION_ERRORS as exc:
             await connection.close()
             raise _unavailable(exc, self.url) from exc
@@ -633,8 +637,11 @@ class AmqpConsumer(_Client):
         return ConfigError(f"RabbitMQ refused to declare queue {self.queue!r} with {asked}: "
                            f"{text}")
 
-    def _on_close(self, _channel: object, exc: BaseException | None = None) -> None:
-        self._received.put_nowait(
+    def _on_close(
+        self, received: asyncio.Queue[DeliveredMessage | BaseException], _channel: object,
+        exc: BaseException | None = None,
+    ) -> None:
+        received.put_nowait(
             BrokerUnavailable(f"RabbitMQ channel closed: {exc}")
         )
 
