@@ -18,7 +18,7 @@ __all__ = ["HandlerRegistry", "Message", "enqueue", "enqueue_async"]
 
 # The public names load on first use (PEP 562): they bring SQLAlchemy, which
 # the inbox's receiver process, importing only relay's light modules, does
-# not need (about 20 MB of its memory).
+# not need (a large share of its memory; docs/inbox.md).
 _LAZY = {
     "HandlerRegistry": "relay.handlers",
     "Message": "relay.handlers",

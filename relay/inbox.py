@@ -43,7 +43,7 @@ BLOCKED_RETRY = 0.005
 PACE_BATCHES = 2
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
-# dispatcher waits on PostgreSQL about half of its time, the others run.
+# dispatcher waits on PostgreSQL much of its time, the others run.
 DISPATCHERS = 3
 # A handler still running at this many times --handler-timeout is hung.
 HUNG_AFTER = 2
@@ -171,7 +171,7 @@ class Dispatcher:
 
         The batch is sync code. With only sync handlers it runs on psycopg's
         blocking connection (a Store made with sync=True): a round trip costs
-        about two thirds of the CPU it costs through asyncio, and this thread
+        less CPU than through asyncio (docs/inbox.md), and this thread
         lets go of the GIL while it waits. Otherwise it runs inside run_sync
         on the async engine, where async handlers are awaited."""
         if self.store.sync_engine is not None:

@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 # Workers per relay. Most of a batch's time is spent waiting (for the
 # claim, the broker's confirms, the commit), so while some wait others claim
-# and publish: a 100k-row drain here ran at 11,200 msgs/s with 2 workers,
-# 12,600 with 4, 13,500 with 8. Each adds a connection and one batch to what
-# a crash can publish twice.
+# and publish; past four, more workers added little in the benchmark (the
+# measurements are in docs/outbox.md). Each adds a connection and one batch
+# to what a crash can publish twice.
 WORKERS = 4
 # How long a worker waits when every row it locked waits on another worker.
 BLOCKED_RETRY = 0.005

@@ -7,8 +7,8 @@ after that commit acknowledges them.
 `relay inbox` runs it in a child process of its own (`python -m
 relay.receiving`, started and watched by ReceiverProcess). Receiving is
 Python work on every message, and on the interpreter lock of the
-dispatchers it delayed each of their round trips to PostgreSQL: the
-benchmark's inbox ran 2,400 msgs/s in one process. `relay demo`, one
+dispatchers it delayed each of their round trips to PostgreSQL (the
+measurements are in docs/inbox.md). `relay demo`, one
 process by contract, runs it on its own event loop (LocalReceiver).
 Either way this module loads neither SQLAlchemy nor handler code, so the
 child stays small.
@@ -76,8 +76,8 @@ Report = Callable[[int, int, int], None]
 # --------------------------------------------------------------------------
 
 # One statement per received batch, which travels as one JSON array of
-# objects (a text array per column cost the receiver a fifth of its CPU in
-# psycopg's array quoting). Duplicates (same consumer and producer id, in
+# objects (a text array per column cost the receiver much of its CPU in
+# psycopg's array quoting; docs/performance.md). Duplicates (same consumer and producer id, in
 # the table or earlier in the batch) are skipped; RETURNING tells which rows
 # are new. A raw body (not JSON) comes base64-encoded. The rest of relay's
 # SQL is in relay.store, which this process does without.

@@ -321,10 +321,10 @@ class Savepoint:
     Set on the driver connection, it is left open into the next set(), and
     moving it on (RELEASE, then SAVEPOINT again) is one round trip of one
     simple-protocol query: SQLAlchemy's begin_nested takes two, and with its
-    statement overhead cost three times what a one-INSERT handler costs.
+    statement overhead cost more than a one-INSERT handler itself.
     COMMIT ends whatever savepoint is still open. The commands go straight to
     libpq (PQexec, which lets go of the GIL while it waits): through a
-    psycopg cursor each would cost about twice the client CPU."""
+    psycopg cursor each would cost more client CPU (docs/inbox.md)."""
 
     def __init__(self, pgconn: Any, name: str) -> None:
         self._pgconn = pgconn
@@ -380,8 +380,8 @@ class OutboxSession:
     The statements are prepared once per connection. Through a pooled
     SQLAlchemy connection the same batch took six (the pool's ping, psycopg's
     BEGIN, the planner settings, claim, mark, COMMIT), and a round trip that
-    wakes an idle core here costs 0.5 to 1 ms: most of a quiet relay's
-    latency from a commit to its publish. Opened on first use and after a
+    wakes an idle core is most of a quiet relay's latency from a commit to
+    its publish (docs/outbox.md). Opened on first use and after a
     break; errors meaning the server went away become DatabaseUnavailable.
     """
 
@@ -572,8 +572,8 @@ class Store:
 
     def __init__(self, database_url: str, *, pool_size: int = 5, sync: bool = False) -> None:
         self.url = sa.make_url(database_url)
-        # JIT compiles the claim for ~300 ms because its cost estimate is
-        # large; it runs in a millisecond without. Options given in the URL
+        # JIT compiles the claim for far longer than the claim runs without
+        # it, because its cost estimate is large (docs/outbox.md). Options given in the URL
         # (`?options=-csearch_path%3Dapp`) are kept.
         self.session_options = [*_as_list(self.url.query.get("options")), "-c jit=off"]
         options: dict[str, Any] = {

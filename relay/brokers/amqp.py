@@ -166,7 +166,8 @@ class _Confirms:
 
     aiormq keeps an asyncio future per publish in channel.confirmations and
     settles a multiple-ack tag by tag, each through call_soon: with the
-    futures' own callbacks, two fifths of the relay's CPU in a drain. Here
+    futures' own callbacks, a large share of the relay's CPU in a drain
+    (docs/performance.md). Here
     every tag of a batch maps to this one object instead, the publisher's
     channel settles acks a range at a time (_settle_confirms), and the batch
     waits on one future. A returned message still goes through aiormq, which calls
@@ -253,7 +254,8 @@ def _deliver_directly(
 ) -> None:
     """Hand each delivery of the channel (one consumer) to `deliver` from the
     channel's frame reader, in order. aiormq makes a task of every delivery
-    to call the consumer's callback: a fifth of the receiver's CPU."""
+    to call the consumer's callback, which cost the receiver much of its CPU
+    (docs/performance.md)."""
     get_frame = channel._get_frame  # type: ignore[attr-defined]
 
     async def on_deliver_frame(frame: spec.Basic.Deliver) -> None:
@@ -600,8 +602,8 @@ class AmqpConsumer(_Client):
                 received.put_nowait(message)
 
             # Consumed on aiormq's channel: aio-pika would wrap each delivery
-            # in an IncomingMessage and a task of its own, a fifth of the
-            # receiver's CPU, for fields read once here. Deliveries skip
+            # in an IncomingMessage and a task of its own, a share of the
+            # receiver's CPU worth saving, for fields read once here. Deliveries skip
             # aiormq's task per delivery too (_deliver_directly, set before
             # consuming so that all take one path, in order); on_message is
             # aiormq's own path, kept as the callback basic_consume wants.
