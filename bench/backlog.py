@@ -207,6 +207,13 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
         points = await run_inbox(res, url, exchange, queue, n)
         if label == "inbox":
             _report_fifths(report, "backlog", "inbox", points, n)
+            # The receiver's storing rate per fifth: tells a slower handling
+            # from a receiver (or broker) that fell behind.
+            stored = await batch_times(url, "inbox", "received_at",
+                                       where=f"AND topic = '{MEASURED_TOPIC}'")
+            report.add("backlog", "inbox_receive_fifths", window_rate(stored, 0.0, 1.0),
+                       "msgs/s", fifths=[round(r) if (r := window_rate(stored, i / 5, (i + 1) / 5))
+                                         else None for i in range(5)])
             report.add("backlog", "inbox_dead_tuples_at_end", await dead_tuples(url, "inbox"),
                        "rows")
         else:
