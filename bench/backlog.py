@@ -168,7 +168,9 @@ async def run_inbox(res: Resources, url: str, exchange: str, queue: str, count: 
 def _report_fifths(report: Report, scenario: str, who: str, points: Sequence[tuple[float, int]],
                    count: int, **extra: Any) -> None:
     first, last = fifths(points)
-    report.add(scenario, f"{who}_first_fifth", first, "msgs/s", messages=count, **extra)
+    every = [window_rate(points, i / 5, (i + 1) / 5) for i in range(5)]
+    report.add(scenario, f"{who}_first_fifth", first, "msgs/s", messages=count,
+               fifths=[round(r) if r else None for r in every], **extra)
     report.add(scenario, f"{who}_last_fifth", last, "msgs/s")
     report.add(scenario, f"{who}_whole", window_rate(points, 0.0, 1.0), "msgs/s")
     if first and last:
@@ -205,6 +207,13 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
         points = await run_inbox(res, url, exchange, queue, n)
         if label == "inbox":
             _report_fifths(report, "backlog", "inbox", points, n)
+            # The receiver's storing rate per fifth: tells a slower handling
+            # from a receiver (or broker) that fell behind.
+            stored = await batch_times(url, "inbox", "received_at",
+                                       where=f"AND topic = '{MEASURED_TOPIC}'")
+            report.add("backlog", "inbox_receive_fifths", window_rate(stored, 0.0, 1.0),
+                       "msgs/s", fifths=[round(r) if (r := window_rate(stored, i / 5, (i + 1) / 5))
+                                         else None for i in range(5)])
             report.add("backlog", "inbox_dead_tuples_at_end", await dead_tuples(url, "inbox"),
                        "rows")
         else:
