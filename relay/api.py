@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-
 from relay import schema
 from relay.store import Store, translate_errors
 

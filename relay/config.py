@@ -20,7 +20,7 @@ DEFAULT_OUTBOX_RETENTION = 86400.0
 DEFAULT_INBOX_RETENTION = 7 * 86400.0
 
 
-def parse_duration(text: str | float | int) -> float:
+def parse_duration(text: str | float) -> float:
     """`90s`, `30m`, `24h`, `7d` or plain seconds, as seconds."""
     if isinstance(text, (int, float)):
         seconds = float(text)

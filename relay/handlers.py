@@ -96,7 +96,7 @@ class HandlerRegistry:
 
 def is_async(fn: Handler | None) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
+        getattr(fn, "__call__", None)  # noqa: B004 - an object whose __call__ is async
     )
 
 
@@ -189,7 +189,9 @@ def _load_spec(spec: str) -> HandlerRegistry:
     try:
         registry = getattr(module, attribute)
     except AttributeError:
-        raise ConfigError(f"handler module {module_name!r} has no attribute {attribute!r}") from None
+        raise ConfigError(
+            f"handler module {module_name!r} has no attribute {attribute!r}"
+        ) from None
     return _check(registry, spec)
 
 

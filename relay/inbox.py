@@ -472,7 +472,7 @@ class DispatcherThread:
             watchdog.cancel()
 
     async def _watch(self) -> None:
-        """Raise HandlerHung once a handler has run HUNG_AFTER × --handler-timeout.
+        """Raise HandlerHung once a handler has run HUNG_AFTER times --handler-timeout.
 
         A sync handler cannot be interrupted, and an async one that blocks
         its event loop cannot be cancelled. Its batch's transaction is ended

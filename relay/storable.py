@@ -194,8 +194,8 @@ def _clean_value(value: Any, where: str, problems: list[str], depth: int) -> Any
         if depth >= MAX_HEADER_DEPTH:
             raise _Unstorable
         out = {}
-        for name, item in value.items():
-            name = str(name)
+        for key, item in value.items():
+            name = str(key)
             why = problem(name)
             shown = escape(name)
             if why:

@@ -251,7 +251,7 @@ class RelayProcess:
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
         self.args = args
         self.log_path = log
-        self._log = open(log, "wb")
+        self._log = open(log, "wb")  # noqa: SIM115 - closed when the process is stopped
         self.proc = subprocess.Popen(
             [*RELAY, *args], env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO
         )

@@ -63,7 +63,7 @@ def sqs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip(f"{MOTO_SERVER} not found: pip install 'moto[server]'")
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(
         [sys.executable, "-c", _MOTO_MAIN, "-H", "127.0.0.1", "-p", str(port)],
         stdout=log, stderr=subprocess.STDOUT,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from pamqp import commands as spec
@@ -28,7 +28,7 @@ def pamqp_bytes(channel, exchange, routing_key, body, properties, max_content):
 @pytest.mark.parametrize("body", [b'{"a":1}', b"x" * 10_000, b""])
 def test_same_bytes_as_pamqp(type_, headers, body):
     message_id = str(uuid.uuid4())
-    stamp = datetime(2026, 11, 22, 3, 4, 5, 678000, tzinfo=timezone.utc)
+    stamp = datetime(2026, 11, 22, 3, 4, 5, 678000, tzinfo=UTC)
     properties = spec.Basic.Properties(
         content_type="application/json", delivery_mode=2, message_id=message_id,
         message_type=type_, timestamp=stamp, headers=headers or None,

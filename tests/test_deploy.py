@@ -32,8 +32,8 @@ def _missing(what: str) -> None:
 def _unit(name: str) -> dict[str, list[str]]:
     """A unit file as {key: [values]} (keys of every section)."""
     values: dict[str, list[str]] = {}
-    for line in (SYSTEMD / name).read_text().splitlines():
-        line = line.strip()
+    for raw in (SYSTEMD / name).read_text().splitlines():
+        line = raw.strip()
         if line and not line.startswith(("#", ";", "[")):
             key, _, value = line.partition("=")
             values.setdefault(key, []).append(value)

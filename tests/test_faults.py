@@ -265,7 +265,7 @@ class Suite:
                     text += chunk
         except OSError:
             return
-        match = re.search(rb"^relay_inbox_duplicates_total ([0-9.e+]+)$", text, re.M)
+        match = re.search(rb"^relay_inbox_duplicates_total ([0-9.e+]+)$", text, re.MULTILINE)
         if match:
             value = float(match[1])
             seen = self.metrics_seen.get(id(proc), 0.0)

@@ -14,6 +14,7 @@ import asyncio
 import socket
 import time
 import uuid
+from datetime import UTC
 from pathlib import Path
 
 import orjson
@@ -22,7 +23,6 @@ import sqlalchemy as sa
 
 import relay
 from tests.conftest import MIXED_HANDLERS, REPO, free_port, insert_outbox, rows, wait_until
-
 
 
 def status_of(engine, message_id):
@@ -146,7 +146,7 @@ async def test_async_handler_over_the_timeout_is_cancelled_and_fails_the_attempt
     await rabbit.publish("t", b'{"n": 1}', message_id="h-1", type="AsyncHang")
     await rabbit.publish("t", b'{"n": 2}', message_id="e-1", type="Effect")
     wait_until(lambda: (status_of(effects, "h-1") or ("",))[0] == "dead", timeout=30)
-    status, attempts, error = status_of(effects, "h-1")
+    _status, attempts, error = status_of(effects, "h-1")
     assert attempts == 2
     assert "did not finish within --handler-timeout 0.5s and was cancelled" in error
     # Its write rolled back with the cancelled attempt; the other row went on.
@@ -319,10 +319,9 @@ async def test_broker_refusing_a_message_as_too_big_fails_that_row_and_releases_
     an operator lowered max_message_size), the broker's refusal is what the
     publisher sees: the big row fails for good, the rest of the batch is
     released (no attempt), and the broker's limit is adopted."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    from relay.brokers import Outcome
-    from relay.brokers import amqp
+    from relay.brokers import Outcome, amqp
     from relay.store import Failure, OutboxRow
     from tests.conftest import AMQP_URL
 
@@ -333,7 +332,7 @@ async def test_broker_refusing_a_message_as_too_big_fails_that_row_and_releases_
 
     def row(n: int, payload: str) -> OutboxRow:
         return OutboxRow(id=str(uuid.uuid4()), seq=n, topic="size.x", key="k", type=None,
-                         payload=payload, headers="{}", created_at=datetime.now(timezone.utc),
+                         payload=payload, headers="{}", created_at=datetime.now(UTC),
                          attempts=0)
 
     big = row(2, '"' + "x" * limit + '"')
@@ -403,14 +402,15 @@ _DYNAMIC_SQL_ALLOWED = {
     ("relay/store.py", 'f"LISTEN {self.channel}"'),  # a constant channel name
     # OutboxSession's simple-protocol commands: prepared once per connection,
     # then run with integers (int()) and UUIDs the claim returned (checked).
-    ("relay/store.py", '"PREPARE relay_claim(int, int, int) AS " + self._claim_sql\n'
-                       '                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED'),
+    ("relay/store.py", (
+        '"PREPARE relay_claim(int, int, int) AS " + self._claim_sql\n'
+        '                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED')),
     # `claim`: EXECUTE relay_claim(the integers), or behind a pooler the
     # claim itself with those integers written in (relay.store._POOLED_SESSION).
     ("relay/store.py", 'f"BEGIN; {claim}"'),
     ("relay/store.py", 'f"EXECUTE relay_mark(\'{{{ids}}}\'); COMMIT"'),
-    ("relay/store.py", 'MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
-                       '                                   + "; COMMIT"'),
+    ("relay/store.py", ('MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
+                       '                                   + "; COMMIT"')),
     # psycopg's own composition: the name quoted as an identifier.
     ("relay/demo.py", 'sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name)))'),
 }

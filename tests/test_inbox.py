@@ -334,7 +334,7 @@ async def test_unknown_type_is_dead_at_once_naming_the_type(effects, rabbit, inb
     inbox()
     await publish(rabbit, message_id="u-1", type="NobodyHandlesThis")
     wait_until(lambda: inbox_rows(effects) and inbox_rows(effects)[0][1] == "dead")
-    [(_, status, attempts, error, *_)] = inbox_rows(effects)
+    [(_, _status, attempts, error, *_)] = inbox_rows(effects)
     assert attempts == 1
     assert "NobodyHandlesThis" in error
 

@@ -13,8 +13,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import orjson
 import psycopg
@@ -35,8 +35,6 @@ from tests.conftest import (
     wait_until,
 )
 from tests.proxy import amqp_proxy, pg_proxy  # noqa: F401 - fixtures
-
-
 
 # --------------------------------------------------------------------------
 # Helpers

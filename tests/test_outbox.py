@@ -7,7 +7,8 @@ import json
 import signal
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
+from typing import Self
 
 import orjson
 import pytest
@@ -87,7 +88,7 @@ async def test_not_published_before_available_at(engine, rabbit, run_relay):
     queue = await rabbit.queue("later")
     with engine.begin() as conn:
         relay.enqueue(conn, "later", {"a": 1},
-                      available_at=datetime.now(timezone.utc) + timedelta(hours=1))
+                      available_at=datetime.now(UTC) + timedelta(hours=1))
         relay.enqueue(conn, "later", {"a": 2})
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0
     [message] = await rabbit.drain(queue, 1)
@@ -138,7 +139,7 @@ class QuietRelay:
         self.listener = Listener(self.store.conninfo, NOTIFY_OUTBOX, self.relay.wake)
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def __aenter__(self) -> QuietRelay:
+    async def __aenter__(self) -> Self:
         self.tasks = [asyncio.create_task(self.relay.run())]
         if self.listen:
             self.tasks.append(asyncio.create_task(self.listener.run()))
@@ -356,7 +357,7 @@ async def test_a_key_waits_behind_its_row_in_backoff(engine, rabbit, run_relay):
     queue = await rabbit.queue("k")
     with engine.begin() as conn:
         relay.enqueue(conn, "k", 1, key="a",
-                      available_at=datetime.now(timezone.utc) + timedelta(hours=1))
+                      available_at=datetime.now(UTC) + timedelta(hours=1))
         relay.enqueue(conn, "k", 2, key="a")
         relay.enqueue(conn, "k", 3, key="b")
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0

@@ -83,8 +83,8 @@ async def test_every_hostile_delivery_is_one_row_and_the_rest_is_handled(
         effects, rabbit, inbox):
     daemon = inbox()
     channel = await raw_channel(rabbit)
-    for name, routing_key, properties, body, _ in CASES:
-        properties = dict(properties)
+    for name, routing_key, given, body, _ in CASES:
+        properties = dict(given)
         if name == "deep-headers":
             properties["headers"] = {"d": amqp_raw.deep_table_value(300)}
         await amqp_raw.publish(channel, rabbit.exchange, routing_key, body, **properties)
@@ -95,8 +95,8 @@ async def test_every_hostile_delivery_is_one_row_and_the_rest_is_handled(
 
     found = stored(effects)
     assert len(found) == len(CASES) + 1, [r[0] for r in found]
-    for (name, _, _, body, reason), row in zip(CASES, found, strict=False):
-        message_id, status, topic, key, type_, payload, headers, error, raw, kept = row
+    for (name, _, _, _, reason), row in zip(CASES, found, strict=False):
+        message_id, status, topic, key, type_, _payload, headers, error, raw, _kept = row
         if name is not None:
             assert message_id == name
         if reason is None:

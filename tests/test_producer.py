@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -44,7 +44,7 @@ async def async_engine(database: str) -> AsyncIterator[AsyncEngine]:
 
 
 def test_enqueue_with_a_connection_stores_every_field(engine):
-    later = datetime.now(timezone.utc) + timedelta(minutes=5)
+    later = datetime.now(UTC) + timedelta(minutes=5)
     with engine.begin() as conn:
         message_id = relay.enqueue(
             conn, "orders.placed", {"order_id": 7, "items": [1, 2]}, key="order-7",
@@ -71,7 +71,7 @@ def test_enqueue_defaults(engine):
     assert row.payload == [1, "two", None]
     # available_at defaults to now: due at once.
     assert row.available_at == row.created_at
-    assert abs(row.created_at - datetime.now(timezone.utc)) < timedelta(minutes=1)
+    assert abs(row.created_at - datetime.now(UTC)) < timedelta(minutes=1)
 
 
 @pytest.mark.parametrize("given", ["uuid", "str"])
@@ -127,7 +127,7 @@ def test_rollback_of_an_orm_session_leaves_no_row(engine):
 
 
 async def test_enqueue_async_with_an_async_connection(engine, async_engine):
-    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    later = datetime.now(UTC) + timedelta(hours=1)
     async with async_engine.begin() as conn:
         message_id = await relay.enqueue_async(
             conn, "orders.shipped", {"order_id": 8}, key="order-8", type="OrderShipped",

@@ -95,7 +95,7 @@ def test_three_concurrent_applies_all_succeed_once(empty_database):
         for _ in range(3)
     ]
     results = [(p.wait(60), *p.communicate()) for p in procs]
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, err
         assert "Traceback" not in err
     outputs = sorted(out.strip() for _, out, _ in results)

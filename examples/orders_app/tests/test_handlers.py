@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
+from orders_app.handlers import SCHEMA, registry
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from orders_app.handlers import SCHEMA, registry
 from relay.testing import handle, handle_async
 
 
