@@ -17,31 +17,30 @@ import asyncio
 import functools
 import logging
 import re
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import aio_pika
 import aiormq
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection
-from aiormq.abc import ChannelFrame, DeliveredMessage
-from aiormq.channel import Returning
+from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
-from pamqp.body import ContentBody
-from pamqp.header import ContentHeader
 
-from relay.brokers import amqp_lenient
-from relay.brokers.amqp_wire import publish_frames, shortstr
 from relay.brokers import (
     BadMessage,
     Incoming,
     Outcome,
     PublishResult,
+    aiormq_internals,
+    amqp_lenient,
     check_topic,
     encode_failure,
     row_body,
     row_headers,
 )
+from relay.brokers.aiormq_internals import ConfirmFrame, Returning
+from relay.brokers.amqp_wire import publish_frames, shortstr
 from relay.config import redact_url
 from relay.errors import BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
@@ -57,6 +56,8 @@ MAX_MESSAGE_SIZE = 128 * 1024 * 1024
 # How RabbitMQ says a publish was over its max_message_size (it then closes
 # the channel): the publisher adopts the broker's limit from it.
 _SIZE_REFUSED = re.compile(r"message size (\d+) is larger than (?:configured )?max size (\d+)")
+
+_DELIVER = spec.Basic.Deliver  # the only delivery a consumer's channel hands over
 
 # What a broken connection or channel looks like from aiormq and the OS.
 _CONNECTION_ERRORS = (
@@ -175,7 +176,7 @@ class _Confirms:
     a marker of its own (Returning) in the tag's place: the tag is noted in
     `returned` so that its ack still settles it here, as returned."""
 
-    __slots__ = ("settled", "first", "outcomes", "left", "tags", "returned")
+    __slots__ = ("first", "left", "outcomes", "returned", "settled", "tags")
 
     def __init__(
         self, settled: asyncio.Future[None], first: int, tags: dict[str, int],
@@ -214,11 +215,10 @@ class _Confirms:
             self.returned[tag] = self
 
 
-def _settle_confirms(channel: aiormq.abc.AbstractChannel, returned: dict[int, _Confirms]) -> None:
+def _settle_confirms(channel: aiormq.Channel, returned: dict[int, _Confirms]) -> None:
     """Settle the publisher's acks and nacks a range at a time (see _Confirms)."""
-    confirmations = channel.confirmations  # in delivery tag order but for returns
 
-    def settle(tag: int, confirmation: Any, frame: Any) -> None:
+    def settle(tag: int, confirmation: Any, frame: ConfirmFrame) -> None:
         ack = isinstance(frame, spec.Basic.Ack)
         if isinstance(confirmation, _Confirms):
             confirmation.settle(tag, None if ack else frame)
@@ -232,47 +232,7 @@ def _settle_confirms(channel: aiormq.abc.AbstractChannel, returned: dict[int, _C
             else:
                 confirmation.set_exception(aiormq.exceptions.DeliveryError(None, frame))
 
-    async def on_confirm_frame(frame: Any) -> None:
-        last = frame.delivery_tag
-        if not getattr(frame, "multiple", False):
-            if last in confirmations:
-                settle(last, confirmations.pop(last), frame)
-            return
-        while confirmations:
-            tag, confirmation = confirmations.popitem(last=False)
-            if tag > last:
-                confirmations[tag] = confirmation
-                confirmations.move_to_end(tag, last=False)
-                return
-            settle(tag, confirmation, frame)
-
-    channel._on_confirm_frame = on_confirm_frame  # type: ignore[method-assign]
-
-
-def _deliver_directly(
-    channel: aiormq.abc.AbstractChannel, deliver: Callable[[DeliveredMessage], None]
-) -> None:
-    """Hand each delivery of the channel (one consumer) to `deliver` from the
-    channel's frame reader, in order. aiormq makes a task of every delivery
-    to call the consumer's callback, which cost the receiver much of its CPU
-    (docs/performance.md)."""
-    get_frame = channel._get_frame  # type: ignore[attr-defined]
-
-    async def on_deliver_frame(frame: spec.Basic.Deliver) -> None:
-        header = await get_frame()
-        if not isinstance(header, ContentHeader):
-            raise ValueError(f"unexpected frame {header!r} instead of a content header")
-        parts, left = [], header.body_size or 0
-        while left > 0:
-            content = await get_frame()
-            if not isinstance(content, ContentBody):
-                raise ValueError(f"unexpected frame {content!r} instead of a content body")
-            parts.append(content.value)
-            left -= len(content.value)
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
-        deliver(DeliveredMessage(delivery=frame, header=header, body=body, channel=channel))
-
-    channel._on_deliver_frame = on_deliver_frame  # type: ignore[method-assign]
+    aiormq_internals.settle_confirms_with(channel, settle)
 
 
 class AmqpPublisher(_Client):
@@ -292,7 +252,8 @@ class AmqpPublisher(_Client):
         except ValueError as exc:
             raise ConfigError(f"invalid --exchange: {exc}") from None
         self._connection: AbstractConnection | None = None
-        self._channel: aiormq.abc.AbstractChannel | None = None
+        self._channel: aiormq.Channel | None = None
+        self._max_content_size = 0  # the channel's, for body frames (set on connect)
         self._connect_lock = asyncio.Lock()
         # Lowered to the broker's own limit when it refuses a message as too big.
         self.max_message_size = MAX_MESSAGE_SIZE
@@ -340,14 +301,16 @@ class AmqpPublisher(_Client):
                 await self._connect()
 
     async def _connect(self) -> None:
+        aiormq_internals.check_versions()  # once per process
         await self.close()
         self._on_blocking(None)  # a new connection starts unblocked
         connection = await self._connect_node()
         try:
-            _watch_blocking(connection, self._on_blocking)
+            aiormq_internals.watch_blocking(connection, self._on_blocking)
             channel = await connection.channel(publisher_confirms=True)
             await _declare_exchange(channel, self.exchange)
-            self._channel = await channel.get_underlay_channel()
+            self._channel = aiormq_internals.aiormq_channel(await channel.get_underlay_channel())
+            self._max_content_size = aiormq_internals.max_content_size(self._channel)
             self._returned = {}
             _settle_confirms(self._channel, self._returned)
         except _CONNECTION_ERRORS as exc:
@@ -359,7 +322,7 @@ class AmqpPublisher(_Client):
         self._connection = connection
         log.info("connected to RabbitMQ at %s", redact_url(self.url))
 
-    def _encode(self, channel: aiormq.abc.AbstractChannel, row: OutboxRow) -> bytes:
+    def _encode(self, channel: aiormq.Channel, row: OutboxRow) -> bytes:
         """The frames of one row's publish; BadMessage when no broker could carry it."""
         check_topic(row)
         headers = row_headers(row)
@@ -375,7 +338,7 @@ class AmqpPublisher(_Client):
             return publish_frames(
                 channel.number, self._exchange_name, row.topic, body,
                 message_id=row.id, type=row.type, timestamp=row.created_at,
-                headers=headers, max_content_size=channel.max_content_size,
+                headers=headers, max_content_size=self._max_content_size,
             )
         except ValueError as exc:  # a topic, type or header name over 255 bytes
             raise BadMessage(str(exc)) from None
@@ -390,13 +353,13 @@ class AmqpPublisher(_Client):
         results: list[PublishResult] = [None] * len(rows)
         frames: list[bytes] = []
         indexes: list[int] = []  # of the rows published, in delivery tag order
-        message_ids = channel.message_id_delivery_tag
+        message_ids = aiormq_internals.message_tags(channel)
         # The whole batch goes out as one buffer. Delivery tags are the
         # channel's publish sequence numbers, so they are taken under the
         # channel's lock, in the order the frames are written.
-        async with channel.lock:
-            batch = _Confirms(channel.create_future(), channel.delivery_tag + 1, message_ids,
-                              self._returned)
+        async with aiormq_internals.lock(channel):
+            batch = _Confirms(channel.create_future(), aiormq_internals.next_delivery_tag(channel),
+                              message_ids, self._returned)
             held: set[str] = set()  # keys whose row failed here: their later rows wait
             for index, row in enumerate(rows):
                 if row.key is not None and row.key in held:
@@ -404,21 +367,19 @@ class AmqpPublisher(_Client):
                     continue
                 try:
                     frames.append(self._encode(channel, row))
-                except Exception as exc:  # noqa: BLE001 - whatever it is, it is this row's
+                except Exception as exc:  # whatever it is, it is this row's
                     results[index] = encode_failure(exc)
                     if row.key is not None:
                         held.add(row.key)
                     continue
-                channel.delivery_tag += 1
-                channel.confirmations[channel.delivery_tag] = batch
-                message_ids[row.id] = channel.delivery_tag  # to match returns
                 batch.add()
                 indexes.append(index)
             if frames:
+                # Tags in row order, each matched to its message id for returns.
+                aiormq_internals.register_publishes(
+                    channel, batch, [rows[index].id for index in indexes])
                 try:
-                    await channel.write_queue.put(
-                        ChannelFrame(payload=b"".join(frames), should_close=False)
-                    )
+                    await aiormq_internals.write(channel, b"".join(frames))
                 except _CONNECTION_ERRORS as exc:
                     raise _unavailable(exc, self.url) from exc
         if not indexes:
@@ -504,41 +465,15 @@ class AmqpPublisher(_Client):
         )
 
 
-def _watch_blocking(
-    connection: AbstractConnection, on_change: Callable[[str | None], None]
-) -> None:
-    """Tell on_change the reason of each connection.blocked and None on each
-    connection.unblocked. aiormq handles both frames (it holds back new
-    writes while blocked) but tells nobody: wrap its two handlers."""
-    transport = getattr(connection, "transport", None)
-    underlay = getattr(transport, "connection", None)
-    if underlay is None:
-        return
-    names = ("_Connection__handle_connection_blocked", "_Connection__handle_connection_unblocked")
-    blocked, unblocked = (getattr(underlay, name, None) for name in names)
-    if blocked is None or unblocked is None:  # another aiormq: no notice, as before
-        log.debug("aiormq has no connection.blocked handler to watch")
-        return
-
-    async def on_blocked(frame: spec.Connection.Blocked) -> None:
-        on_change(frame.reason or "")
-        await blocked(frame)
-
-    async def on_unblocked(frame: spec.Connection.Unblocked) -> None:
-        on_change(None)
-        await unblocked(frame)
-
-    setattr(underlay, names[0], on_blocked)
-    setattr(underlay, names[1], on_unblocked)
-
-
 def _original(message: DeliveredMessage) -> dict[str, Any]:
     """A delivery's properties exactly as they came: the content header
     frame's bytes (AMQP 0-9-1, class 60) and the routing key."""
     raw = getattr(message.header, "relay_raw", None)
+    delivery = message.delivery
+    assert isinstance(delivery, _DELIVER)
     return {
-        "exchange": message.delivery.exchange,
-        "routing_key": message.delivery.routing_key,
+        "exchange": delivery.exchange,
+        "routing_key": delivery.routing_key,
         "content_header": raw if raw is not None else None,
     }
 
@@ -572,6 +507,7 @@ class AmqpConsumer(_Client):
     async def connect(self) -> None:
         if self.connected:
             return
+        aiormq_internals.check_versions()  # once per process
         await self.close()
         # Deliveries of the old channel can no longer be acked: drop them,
         # the broker redelivers them.
@@ -603,12 +539,13 @@ class AmqpConsumer(_Client):
 
             # Consumed on aiormq's channel: aio-pika would wrap each delivery
             # in an IncomingMessage and a task of its own, a share of the
-            # receiver's CPU worth saving, for fields read once here. Deliveries skip
-            # aiormq's task per delivery too (_deliver_directly, set before
-            # consuming so that all take one path, in order); on_message is
-            # aiormq's own path, kept as the callback basic_consume wants.
+            # receiver's CPU worth saving, for fields read once here.
+            # Deliveries skip aiormq's task per delivery too
+            # (aiormq_internals.deliver_directly, set before consuming so that
+            # all take one path, in order); on_message is aiormq's own path,
+            # kept as the callback basic_consume wants.
             underlay = await channel.get_underlay_channel()
-            _deliver_directly(underlay, received.put_nowait)
+            aiormq_internals.deliver_directly(underlay, received.put_nowait)
             await underlay.basic_consume(queue.name, on_message)
             # Bound to this connection's queue: the old channel of a lost
             # connection may report its close late, when a new connection
@@ -652,7 +589,7 @@ class AmqpConsumer(_Client):
             await self.connect()
             received = self._received
             first = await received.get()
-            batch = []
+            batch: list[Incoming] = []
             item: DeliveredMessage | BaseException = first
             loop = asyncio.get_running_loop()
             deadline = loop.time() + max_wait
@@ -686,7 +623,10 @@ class AmqpConsumer(_Client):
         key = headers.get(KEY_HEADER)
         if isinstance(key, (bytes, bytearray)):
             key = bytes(key).decode("utf-8", "surrogateescape")
-        routing_key = message.delivery.routing_key
+        # Consumed, never fetched (basic.get): always a Deliver. Narrowed by
+        # annotation, not isinstance, which would cost every delivery a call.
+        delivery: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+        routing_key = delivery.routing_key
         return Incoming(
             message_id=properties.message_id or None,
             topic=routing_key,
@@ -704,10 +644,14 @@ class AmqpConsumer(_Client):
             return
         last = batch[-1].ack_token
         assert isinstance(last, DeliveredMessage)
+        delivery = last.delivery
+        assert isinstance(delivery, _DELIVER)
+        tag = delivery.delivery_tag
+        assert tag is not None  # RabbitMQ tags every delivery
         try:
             # Deliveries arrive and are stored in order, so one multiple-ack
             # on the last delivery tag acknowledges the whole batch.
-            await last.channel.basic_ack(last.delivery.delivery_tag, multiple=True)
+            await last.channel.basic_ack(tag, multiple=True)
         except Exception as exc:
             # aiormq rejects pending operations with a bare Exception when a
             # channel closes without a reason: judge by the channel's state.
