@@ -19,17 +19,21 @@ receiver runs in a process of its own):
 
 Every content header also carries its frame's bytes (`relay_raw`), which a
 row that cannot store its properties as given keeps in raw_properties.
+pamqp's private decoders are reached through `aiormq_internals` only.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
-from pamqp import common, decode, frame
+from pamqp import common, decode
+from pamqp.base import Frame
 from pamqp.header import ContentHeader
+
+from relay.brokers import aiormq_internals
 
 _installed = False
 
@@ -71,42 +75,33 @@ def _field_table(value: bytes) -> tuple[int, dict[str, Any]]:
     return end, data
 
 
-_LENIENT: list[tuple[dict[Any, Any], Any, Callable[..., Any]]] = [
-    (decode.METHODS, "shortstr", _short_str),
-    (decode.METHODS, "table", _field_table),
-    (decode.METHODS, "timestamp", _timestamp),
-    (decode.TABLE_MAPPING, b"F", _field_table),
-    (decode.TABLE_MAPPING, b"T", _timestamp),
-]
+_LENIENT_BY_TYPE: dict[str, Callable[[bytes], tuple[int, Any]]] = {
+    "shortstr": _short_str, "table": _field_table, "timestamp": _timestamp,
+}
+_LENIENT_BY_TABLE_CODE: dict[bytes, Callable[[bytes], tuple[int, Any]]] = {
+    b"F": _field_table, b"T": _timestamp,
+}
 
 
-@contextmanager
-def _leniently() -> Iterator[None]:
+def _leniently() -> AbstractContextManager[None]:
     """pamqp's decoders swapped for the lenient ones (synchronous code only:
     nothing else runs on this thread meanwhile)."""
-    saved = [(table, name, table[name]) for table, name, _ in _LENIENT]
-    for table, name, lenient in _LENIENT:
-        table[name] = lenient
-    try:
-        yield
-    finally:
-        for table, name, strict in saved:
-            table[name] = strict
+    return aiormq_internals.pamqp_decoders_replaced(_LENIENT_BY_TYPE, _LENIENT_BY_TABLE_CODE)
 
 
 def _wrap_header(strict: Callable[[bytes], ContentHeader]) -> Callable[[bytes], ContentHeader]:
     def unmarshal_header(frame_data: bytes) -> ContentHeader:
         try:
             header = strict(frame_data)
-        except Exception as first:  # noqa: BLE001 - any failure is this frame's
+        except Exception as first:  # any failure is this frame's
             header = ContentHeader()
             try:
                 with _leniently():
                     header.unmarshal(frame_data)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if len(frame_data) < 12:
                     raise first from None  # no body size: nothing to recover
-                class_id, weight, body_size = struct.unpack(">HHQ", frame_data[:12])
+                _class_id, weight, body_size = struct.unpack(">HHQ", frame_data[:12])
                 header = ContentHeader(weight=weight, body_size=body_size)
                 header.relay_undecodable = f"{type(exc).__name__}: {exc}"[:500]  # type: ignore[attr-defined]
         header.relay_raw = frame_data  # type: ignore[attr-defined]
@@ -115,11 +110,11 @@ def _wrap_header(strict: Callable[[bytes], ContentHeader]) -> Callable[[bytes], 
     return unmarshal_header
 
 
-def _wrap_method(strict: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def unmarshal_method(frame_data: bytes) -> Any:
+def _wrap_method(strict: Callable[[bytes], Frame]) -> Callable[[bytes], Frame]:
+    def unmarshal_method(frame_data: bytes) -> Frame:
         try:
             return strict(frame_data)
-        except Exception:  # noqa: BLE001 - a routing key of invalid UTF-8, say
+        except Exception:  # a routing key of invalid UTF-8, say
             with _leniently():
                 return strict(frame_data)
 
@@ -131,6 +126,5 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    frame._unmarshal_header_frame = _wrap_header(frame._unmarshal_header_frame)  # type: ignore[assignment]
-    frame._unmarshal_method_frame = _wrap_method(frame._unmarshal_method_frame)  # type: ignore[assignment]
+    aiormq_internals.wrap_pamqp_decoders(_wrap_header, _wrap_method)
     _installed = True
