@@ -510,7 +510,7 @@ _RELAY_ATTRIBUTES = ("message_id", "type", "key", "headers")
 
 def _text_attribute(attributes: dict[str, Any], name: str) -> str | None:
     value = attributes.get(name, {}).get("StringValue")
-    return value if value else None
+    return value or None
 
 
 def to_incoming(message: dict[str, Any], queue: str) -> Incoming:
