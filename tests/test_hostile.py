@@ -411,6 +411,12 @@ _DYNAMIC_SQL_ALLOWED = {
     ("relay/store.py", 'f"EXECUTE relay_mark(\'{{{ids}}}\'); COMMIT"'),
     ("relay/store.py", ('MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
                        '                                   + "; COMMIT"')),
+    # relay.dead: table and column names from its fixed _COLUMNS, conditions
+    # from DeadFilter.where (bound parameters), SET clauses from constants.
+    ("relay/dead.py", 'f"SELECT count(*) FROM ({rows}) r"'),
+    ("relay/dead.py", 'f"SELECT {consumer}, {ident} FROM {table} d WHERE {cond} FOR UPDATE"'),
+    ("relay/dead.py", ('f"UPDATE {table} SET {\', \'.join(sets)} "\n'
+                       '                        f"WHERE {match} AND status = \'dead\'"')),
     # psycopg's own composition: the name quoted as an identifier.
     ("relay/demo.py", 'sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name)))'),
 }

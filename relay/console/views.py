@@ -15,7 +15,7 @@ def pretty_json(value: Any) -> str:
 def age(seconds: float | None) -> str:
     """12s, 4m 10s, 3h 5m, 2d 4h; a dash for none."""
     if seconds is None:
-        return "–"
+        return "–"  # noqa: RUF001 - a dash, as people write it
     s = int(seconds)
     if s < 60:
         return f"{s}s"
