@@ -16,6 +16,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -183,10 +184,16 @@ class DeadRow:
 
     @property
     def body_text(self) -> str | None:
-        """The raw body as text (undecodable bytes as \\x escapes), for people to read."""
+        """The raw body as text for people to read: undecodable bytes and control
+        characters (a NUL, an escape sequence) as \\x escapes, so a terminal or
+        a page shows them rather than acting on them."""
         if self.body is None:
             return None
-        return self.body.decode("utf-8", errors="backslashreplace")
+        text = self.body.decode("utf-8", errors="backslashreplace")
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 @dataclass(frozen=True)

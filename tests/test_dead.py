@@ -98,13 +98,16 @@ def test_list_filters_and_pages_by_keyset(engine, run_relay):
 
 
 def test_show_prints_payload_headers_raw_body_and_the_full_error(engine, run_relay):
-    dead_inbox(engine, "not-json", payload=None, body=b"\xffnot json <b>")
+    dead_inbox(engine, "not-json", payload=None, body=b"\xffnot json <b>\x00\x1b[2J")
     result = run_relay("dead", "show", "not-json")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "consumer:     billing" in out and "attempts:     10" in out
     assert "00-abc-def-01" in out  # headers
-    assert "raw body (13 bytes)" in out and "\\xffnot json <b>" in out
+    # Undecodable bytes and control characters (a NUL, a terminal escape) as
+    # \x escapes: shown, never acted on by the terminal.
+    assert "raw body (18 bytes)" in out and "\\xffnot json <b>\\x00\\x1b[2J" in out
+    assert "\x00" not in out and "\x1b" not in out
     assert TRACEBACK.splitlines()[1].strip() in out  # the whole traceback
 
     [outbox_id] = dead_outbox(engine, payload='{"order_id": 1, "note": "<script>x</script>"}')
