@@ -158,8 +158,8 @@ async def run(args: argparse.Namespace) -> None:
                 print(f"{done:>8,}  {rate:>6,.0f}  {buffers(plan):>9,}  {ms:>8.2f}  "
                       f"{buffers([r[0] for r in mark_plan]):>8,}  {dead:>10,}  "
                       f"{row[0]:>14}  {idx[0]:>22,}  {vac}", flush=True)
-                if args.explain and done in (0,) or (args.explain and done >= args.messages
-                                                     * 0.9 and next_report >= 9 * tenth):
+                last = done >= args.messages * 0.9 and next_report >= 9 * tenth
+                if args.explain and (done == 0 or last):
                     print("\n".join("    " + line for line in plan))
                 window_start, window_done = time.perf_counter(), done
                 next_report = done + tenth

@@ -22,8 +22,8 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_inbox_pending | gauge | pending rows in the table |
 | relay_inbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
 | relay_inbox_handler_seconds | histogram | one handler run |
-| relay_table_dead_tuples{table} | gauge | dead row versions of the daemon's table (pg_stat_user_tables.n_dead_tup) |
-| relay_table_last_vacuum_timestamp_seconds{table} | gauge | Unix time of the table's last vacuum or autovacuum (0: never) |
+| relay_table_dead_tuples{table} | gauge | the table's dead row versions (n_dead_tup) |
+| relay_table_last_vacuum_timestamp_seconds{table} | gauge | its last (auto)vacuum, Unix time |
 """
 
 from __future__ import annotations

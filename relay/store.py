@@ -906,8 +906,8 @@ PENDING_GAUGES = {
 }
 
 # The table's dead row versions and its last vacuum (manual or auto), from
-# the statistics collector: no scan of the table. Operators watch these to
-# see a backlog's churn outrun autovacuum (docs/backlog.md).
+# PostgreSQL's cumulative statistics: no scan of the table. Operators watch
+# these to see a backlog's churn outrun autovacuum (docs/backlog.md).
 TABLE_HEALTH = sa.text(
     "SELECT n_dead_tup, "
     "coalesce(extract(epoch FROM greatest(last_vacuum, last_autovacuum)), 0)::float8 "
@@ -943,7 +943,7 @@ async def pending_gauge(store: Store, table: str) -> tuple[int, float]:
 
 async def table_health(store: Store, table: str) -> tuple[int, float]:
     """The table's dead row versions and the Unix time of its last vacuum
-    (0: never), as the statistics collector last saw them."""
+    (0: never), as the cumulative statistics last counted them."""
     with translate_errors():
         async with store.engine.connect() as conn:
             row = (await conn.execute(TABLE_HEALTH, {"table": table})).one_or_none()
