@@ -384,7 +384,7 @@ class ReceiverProcess:
         child met is raised here."""
         # -P, and the package's own directory first on the path: the working
         # directory must not shadow the relay package.
-        package_root = str(Path(__file__).resolve().parent.parent)
+        package_root = str(Path(__file__).resolve().parent.parent)  # noqa: ASYNC240 - once
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         ours, theirs = socket.socketpair()

@@ -440,7 +440,7 @@ class OutboxSession:
                     "permanent": [f.permanent for _, f, _ in failures],
                     "max_attempts": max_attempts,
                 })
-                statuses = {row_id: status for row_id, status in await cursor.fetchall()}
+                statuses = dict(await cursor.fetchall())
             # The ids the claim returned: UUIDs, which need no quoting.
             ids = ",".join(published)
             if not _UUID_LIST(ids):
@@ -705,7 +705,7 @@ class Store:
         }
         with translate_errors():
             result = conn.execute(MARK_INBOX_FAILED, params)
-            return {row_id: status for row_id, status in result}
+            return dict(result)
 
     async def fail_hung_handler(
         self, pid: int | None, consumer: str, row: InboxRow, error: str, delay: float,
