@@ -128,6 +128,16 @@ def _handled(engine, *ids: str) -> bool:
     return found[0][0] == len(ids)
 
 
+def _tally(found: list[Any], counts: Counter[str]) -> None:
+    """Each row settled: processed, or dead with a reason (counted by it)."""
+    for _, status, error in found:
+        assert status in ("processed", "dead")
+        if status == "dead":
+            assert error
+            counts[f"dead: {error.split(':')[0][:40]}"] += 1
+        counts[status] += 1
+
+
 def _settled(engine, consumer: str, before: str, after: str) -> tuple[list[Any]] | None:
     """The rows between the canaries once none is pending (wrapped: a duplicate
     leaves no row, and an empty list would read as "not yet")."""
@@ -186,12 +196,7 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
         if message_id is None:
             seen_bodies.add(body)
         assert len(found) == (0 if duplicate else 1), found
-        for _, status, error in found:
-            assert status in ("processed", "dead")
-            if status == "dead":
-                assert error
-                counts[f"dead: {error.split(':')[0][:40]}"] += 1
-            counts[status] += 1
+        _tally(found, counts)
 
     await asyncio.to_thread(example)
     daemon.stop()
@@ -285,12 +290,7 @@ async def test_generated_sqs_messages_each_become_one_row(effects, sqs, start_re
         [found] = wait_until(lambda: _settled(effects, queue, before, after), timeout=30,
                              message=f"example {n} settled")
         assert len(found) <= 1, found
-        for _, status, error in found:
-            assert status in ("processed", "dead")
-            if status == "dead":
-                assert error
-                counts[f"dead: {error.split(':')[0][:40]}"] += 1
-            counts[status] += 1
+        _tally(found, counts)
 
     await asyncio.to_thread(example)
     daemon.stop()
