@@ -705,7 +705,9 @@ class Store:
         }
         with translate_errors():
             result = conn.execute(MARK_INBOX_FAILED, params)
-            return dict(result)
+            # Not dict(result): a Result has keys() (its column names), so
+            # dict() would take it for a mapping.
+            return {row_id: status for row_id, status in result}  # noqa: C416
 
     async def fail_hung_handler(
         self, pid: int | None, consumer: str, row: InboxRow, error: str, delay: float,
