@@ -145,11 +145,12 @@ async def test_store_connections_prepare_nothing_behind_a_pooler(pooled):
         await store.close()
 
 
+# Transaction mode only: a session pooler keeps LISTEN (the next test).
+@pytest.mark.parametrize("pgbouncer", ["transaction"], indirect=True)
 async def test_without_listen_url_transaction_mode_warns_once_and_polls(
     engine, rabbit, start_relay, pgbouncer, relay_env
 ):
-    if pgbouncer.pool_mode != "transaction":
-        pytest.skip("LISTEN works through a session pooler")
+    assert pgbouncer.pool_mode == "transaction"
     queue = await rabbit.queue("poll")
     daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.5",
                          env={"RELAY_LISTEN_URL": ""})
