@@ -34,7 +34,9 @@ from relay.backoff import Backoff
 from relay.config import BrokerURL, InboxSettings, OutboxSettings, normalize_database_url
 from relay.errors import ConfigError, Unavailable
 from relay.handlers import HandlerRegistry, Message
+from relay.lifecycle import Daemon, Service, Started, run_together
 from relay.store import Store
+from relay.wiring import inbox_service, outbox_service
 
 log = logging.getLogger(__name__)
 
@@ -275,10 +277,6 @@ async def prepare(database_url: str) -> list[str]:
 
 async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
     """`relay demo`: schema, producer, both daemons and the handler; returns the exit code."""
-    from relay.inbox import inbox_service
-    from relay.lifecycle import Daemon, Service, Started, run_together
-    from relay.outbox import outbox_service
-
     created = await create_database_if_missing(settings.database_url)
     if created:
         out.write(f"relay demo: created database {created!r}\n")

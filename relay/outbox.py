@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -22,9 +22,6 @@ from relay.config import OutboxSettings
 from relay.errors import BrokerUnavailable, Unavailable
 from relay.metrics import OutboxMetrics
 from relay.store import Failure, OutboxRow, OutboxSession, Store
-
-if TYPE_CHECKING:
-    from relay.lifecycle import Service
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +188,7 @@ class OutboxRelay:
 
     async def run(self, *, once: bool = False) -> None:
         """Run the workers until stop() (or, with once, until nothing is due)."""
-        await self._ready()
+        await self.wait_ready()
         workers = [asyncio.create_task(self._worker(i, once)) for i in range(WORKERS)]
         try:
             await asyncio.gather(*workers)
@@ -200,7 +197,7 @@ class OutboxRelay:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
 
-    async def _ready(self) -> None:
+    async def wait_ready(self) -> None:
         """Wait until the schema is there and the broker answers."""
         failures = 0
         while not self.stopping.is_set():
@@ -280,89 +277,3 @@ class OutboxRelay:
         delay = self.reconnect.delay(failures)
         log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
         await self._wait(self.stopping, delay)
-
-
-def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
-    """The outbox relay's parts for a lifecycle Daemon: the main loop, the
-    listener, the scheduled jobs, probes and metrics (not running yet)."""
-    from relay.brokers import make_publisher
-    from relay.lifecycle import STALL_AFTER, Service, Started
-    from relay.maintenance import run_scheduler
-    from relay.store import NOTIFY_OUTBOX, Listener
-
-    broker = settings.broker
-    assert broker is not None
-    tracing.setup("relay-outbox")
-    store = Store(settings.database_url, pool_size=2)
-    publisher = make_publisher(broker, exchange=settings.exchange,
-                               on_unroutable=settings.on_unroutable)
-    relay = OutboxRelay(settings, store, publisher)
-    probe_lock = asyncio.Lock()
-
-    async def main(started: Started) -> None:
-        await relay._ready()
-        if relay.stopping.is_set():
-            return
-        started()
-        log.info(
-            "outbox relay started%s", " (--once)" if once else "", extra={"action": "started"}
-        )
-        await relay.run(once=once)
-
-    async def broker_answers() -> bool:
-        # An idle relay reconnects only when it has rows to publish, so after
-        # a broker outage its own connection stays down until the next row:
-        # ask the broker with a connection of the probe's own.
-        async with probe_lock:
-            if publisher.connected:
-                return True
-            probe = make_publisher(broker, exchange=settings.exchange)
-            try:
-                await probe.connect()
-                return True
-            except Unavailable:
-                return False
-            finally:
-                await probe.close()
-
-    async def ready() -> bool:
-        await store.ping()
-        return publisher.connected or await broker_answers()
-
-    background = {}
-    if not once:
-        listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
-        background = {
-            "listener": lambda stop: listener.run(),
-            "scheduler": lambda stop: run_scheduler(
-                store, "outbox", settings.retention, relay.metrics, stop
-            ),
-        }
-    return Service(
-        name="outbox",
-        main=main,
-        stop=relay.stop,
-        background=background,
-        ready=ready,
-        unready=lambda: (f"the broker blocks publishing ({publisher.blocked}): "
-                         "a RabbitMQ resource alarm" if publisher.blocked is not None else None),
-        metrics=relay.metrics.render,
-        # Waiting out a broker's resource alarm is not a stall.
-        progress=lambda: time.monotonic() if publisher.blocked else relay.last_progress,
-        stall_after=STALL_AFTER + settings.poll_interval,
-        on_stop=[publisher.close, relay.close, store.close, tracing.flush],
-    )
-
-
-async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
-    """`relay outbox`: run the relay with its listener, jobs and probes; returns the exit code."""
-    from relay.lifecycle import Daemon
-
-    daemon = Daemon(
-        name="outbox",
-        services=[outbox_service(settings, once=once)],
-        shutdown_timeout=settings.shutdown_timeout,
-        http_port=settings.http_port,
-        own_process=True,
-    )
-    return await daemon.run()

@@ -154,8 +154,9 @@ def check_topic(row: OutboxRow) -> None:
 
 
 def make_publisher(
-    broker: BrokerURL, *, exchange: str, on_unroutable: str = "publish"
+    broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str = "publish"
 ) -> Publisher:
+    """The publisher for `broker`, shared by `workers` outbox workers."""
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpPublisher
 
@@ -163,7 +164,7 @@ def make_publisher(
                              on_unroutable=on_unroutable)
     from relay.brokers.sqs import SqsPublisher
 
-    return SqsPublisher(broker)
+    return SqsPublisher(broker, workers=workers)
 
 
 def make_consumer(
