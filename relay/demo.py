@@ -30,7 +30,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import relay
 from relay import pg
-from relay.backoff import Backoff
+from relay.backoff import Backoff, sleep_unless
 from relay.config import BrokerURL, InboxSettings, OutboxSettings, normalize_database_url
 from relay.errors import ConfigError, Unavailable
 from relay.handlers import HandlerRegistry, Message
@@ -143,13 +143,6 @@ class _Counts:
     produced: int = 0
 
 
-async def _wait(event: asyncio.Event, timeout: float) -> None:
-    try:
-        await asyncio.wait_for(event.wait(), timeout)
-    except TimeoutError:
-        pass
-
-
 def _traceparent() -> str:
     return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
@@ -184,9 +177,9 @@ async def produce(store: Store, rate: float, topic: str, stop: asyncio.Event,
                 delay = reconnect.delay(failures)
                 log.warning("producer: %s; retrying in %.1fs", exc, delay,
                             extra={"action": "reconnect_wait"})
-                await _wait(stop, delay)
+                await sleep_unless(stop, delay)
                 continue
-        await _wait(stop, max(TICK, 1 / rate) if due < 1 else TICK)
+        await sleep_unless(stop, max(TICK, 1 / rate) if due < 1 else TICK)
 
 
 async def _totals(store: Store, since: Any, consumer: str | None) -> tuple[int, int, int, int]:
@@ -204,7 +197,7 @@ async def report(store: Store, since: Any, consumer: str | None, counts: _Counts
     began = last_time = time.monotonic()
     last: tuple[int, int, int] | None = None
     while not stop.is_set():
-        await _wait(stop, 1.0)
+        await sleep_unless(stop, 1.0)
         if stop.is_set():
             break
         now = time.monotonic()
@@ -310,7 +303,7 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
 
         async def timer() -> None:
             if settings.duration:
-                await _wait(stop, settings.duration)
+                await sleep_unless(stop, settings.duration)
                 if not stop.is_set():
                     daemon.request_stop(f"--duration {settings.duration:g}s is over")
 

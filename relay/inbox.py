@@ -24,17 +24,17 @@ from typing import Any
 import sqlalchemy.exc as sa_exc
 
 from relay import storable, tracing
-from relay.backoff import Backoff, sleep_unless
+from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
 from relay.config import InboxSettings
 from relay.errors import Unavailable
 from relay.handlers import Handler, HandlerRegistry, Message, call_from_sync, is_async
 from relay.metrics import InboxMetrics
 from relay.pacing import Pace
 from relay.store import Failure, InboxRow, Store
+from relay.workers import BLOCKED_RETRY, report_failure
 
 log = logging.getLogger(__name__)
 
-BLOCKED_RETRY = 0.005
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
 # dispatcher waits on PostgreSQL much of its time, the others run.
@@ -82,7 +82,7 @@ class Dispatcher:
         broker = settings.broker.kind if settings.broker is not None else ""
         self.messaging_system = tracing.SYSTEMS.get(broker, broker)
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
-        self.reconnect = Backoff(0.5, 30.0)
+        self.reconnect = reconnect_backoff()
         self.wakeup = asyncio.Event()
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
@@ -137,13 +137,10 @@ class Dispatcher:
     ) -> tuple[int, int]:
         self.metrics.processed.inc(len(processed))
         for row, failure, delay in failed:
-            dead = statuses.get(row.message_id) == "dead"
-            self.metrics.failed.inc()
-            if dead:
-                self.metrics.dead.inc()
-            log.warning(
-                "handler failed%s: %s", " (dead)" if dead else f" (retry in {delay:.1f}s)",
+            report_failure(
+                log, self.metrics, "handler",
                 failure.error.splitlines()[0] if failure.error else "",
+                dead=statuses.get(row.message_id) == "dead", delay=delay,
                 extra={"action": "handler_failed", "message_id": row.message_id,
                        "type": row.type, "topic": row.topic, "attempts": row.attempts + 1},
             )
@@ -298,9 +295,7 @@ class Dispatcher:
                 failures = 0
             except Unavailable as exc:
                 failures += 1
-                delay = self.reconnect.delay(failures)
-                log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-                await sleep_unless(self.stopping, delay)
+                await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
             except sa_exc.DBAPIError as exc:
                 if not exc.connection_invalidated:

@@ -16,12 +16,19 @@ from typing import Any
 import orjson
 
 from relay import tracing
-from relay.backoff import Backoff
+from relay.backoff import (
+    Backoff,
+    reconnect_backoff,
+    sleep_unless,
+    until_available,
+    wait_to_reconnect,
+)
 from relay.brokers import Outcome, Publisher
 from relay.config import OutboxSettings
 from relay.errors import BrokerUnavailable, Unavailable
 from relay.metrics import OutboxMetrics
 from relay.store import Failure, OutboxRow, OutboxSession, Store
+from relay.workers import BLOCKED_RETRY, report_failure
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +38,6 @@ log = logging.getLogger(__name__)
 # measurements are in docs/outbox.md). Each adds a connection and one batch
 # to what a crash can publish twice.
 WORKERS = 4
-# How long a worker waits when every row it locked waits on another worker.
-BLOCKED_RETRY = 0.005
 # Unroutable messages are logged once per topic per this many seconds.
 UNROUTABLE_LOG_INTERVAL = 60.0
 
@@ -52,7 +57,7 @@ class OutboxRelay:
         self.publisher = publisher
         self.metrics = metrics or OutboxMetrics()
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
-        self.reconnect = Backoff(0.5, 30.0)
+        self.reconnect = reconnect_backoff()
         self._wakeups: dict[int, asyncio.Event] = {}  # by worker
         self._idle: set[int] = set()  # workers waiting for a notification
         self._scouts: set[int] = set()  # woken to claim every key's rows
@@ -135,14 +140,9 @@ class OutboxRelay:
             raise
         self.metrics.published.inc(len(published))
         for row, failure, delay in failed:
-            dead = statuses.get(row.id) == "dead"
-            self.metrics.failed.inc()
-            if dead:
-                self.metrics.dead.inc()
-            log.warning(
-                "publish failed%s: %s",
-                " (dead)" if dead else f" (retry in {delay:.1f}s)",
-                failure.error,
+            report_failure(
+                log, self.metrics, "publish", failure.error,
+                dead=statuses.get(row.id) == "dead", delay=delay,
                 extra={"action": "publish_failed", "message_id": row.id,
                        "topic": row.topic, "attempts": row.attempts + 1},
             )
@@ -199,15 +199,11 @@ class OutboxRelay:
 
     async def wait_ready(self) -> None:
         """Wait until the schema is there and the broker answers."""
-        failures = 0
-        while not self.stopping.is_set():
-            try:
-                await self.store.check_schema()
-                await self.publisher.connect()
-                return
-            except Unavailable as exc:
-                failures += 1
-                await self._pause(exc, failures)
+        await until_available(self._connect, self.stopping, self.reconnect, log)
+
+    async def _connect(self) -> None:
+        await self.store.check_schema()
+        await self.publisher.connect()
 
     async def _worker(self, worker: int, once: bool) -> None:
         wakeup = self._wakeups[worker] = asyncio.Event()
@@ -228,7 +224,7 @@ class OutboxRelay:
                 failures = 0
             except Unavailable as exc:
                 failures += 1
-                await self._pause(exc, failures)
+                await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
             self.last_progress = time.monotonic()
             self._scouts.discard(worker)
@@ -254,7 +250,7 @@ class OutboxRelay:
             # committed since have notified (and set wakeup).
             self._idle.add(worker)
             try:
-                await self._wait(wakeup, self.settings.poll_interval)
+                await sleep_unless(wakeup, self.settings.poll_interval)
             finally:
                 self._idle.discard(worker)
 
@@ -266,14 +262,3 @@ class OutboxRelay:
         finally:
             waiter.cancel()
             stop.cancel()
-
-    async def _wait(self, event: asyncio.Event, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
-
-    async def _pause(self, exc: Exception, failures: int) -> None:
-        delay = self.reconnect.delay(failures)
-        log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-        await self._wait(self.stopping, delay)

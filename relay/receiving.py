@@ -22,7 +22,7 @@ import orjson
 import psycopg
 
 from relay import pg
-from relay.backoff import Backoff, sleep_unless, until_available
+from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
 from relay.errors import DatabaseUnavailable, Unavailable
@@ -170,7 +170,7 @@ class Receiver:
         self.pace = pace
         self.report = report
         self.stopping = asyncio.Event()
-        self.reconnect = Backoff(0.5, 30.0)
+        self.reconnect = reconnect_backoff()
 
     def stop(self) -> None:
         self.stopping.set()

@@ -15,7 +15,7 @@ import logging
 import time
 
 from relay import tracing
-from relay.backoff import Backoff, until_available
+from relay.backoff import reconnect_backoff, until_available
 from relay.brokers import make_publisher
 from relay.config import InboxSettings, OutboxSettings
 from relay.errors import Unavailable
@@ -168,7 +168,7 @@ def inbox_service(
 
     async def main(started: Started) -> None:
         if not await until_available(store.check_schema, receiver.stopping,
-                                     Backoff(0.5, 30.0), inbox_log):
+                                     reconnect_backoff(), inbox_log):
             return
         if not await receiver.start():
             return
