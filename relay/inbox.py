@@ -26,7 +26,7 @@ import sqlalchemy.exc as sa_exc
 from relay import storable, tracing
 from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
 from relay.config import InboxSettings
-from relay.errors import Unavailable
+from relay.errors import HandlerHung, Unavailable
 from relay.handlers import Handler, HandlerRegistry, Message, call_from_sync, is_async
 from relay.metrics import InboxMetrics
 from relay.pacing import Pace
@@ -48,10 +48,6 @@ CHECKPOINT_EVERY = 0.1
 ABORTED_BY_HANDLER = (
     "the handler returned, but left its transaction aborted by a failed "
     "statement (was a database error caught and not raised again?)")
-
-
-class HandlerHung(RuntimeError):
-    """A handler ran far past --handler-timeout and could not be interrupted."""
 
 
 class Dispatcher:

@@ -38,7 +38,7 @@ from relay import logs
 from relay.backoff import until_available
 from relay.brokers import make_consumer
 from relay.config import InboxSettings
-from relay.errors import ConfigError
+from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, LeadGate, Pace
 from relay.receiving import InboxWriter, Receiver, Report
 
@@ -107,10 +107,6 @@ async def _receive(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
         return pickle.loads(await reader.readexactly(int.from_bytes(head, "big")))
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
-
-
-class ReceiverExited(RuntimeError):
-    """The receiver process ended without being asked to."""
 
 
 class ReceiverProcess:

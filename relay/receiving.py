@@ -25,7 +25,7 @@ from relay import pg
 from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
-from relay.errors import DatabaseUnavailable, Unavailable
+from relay.errors import DatabaseUnavailable, Refused, Unavailable
 from relay.pacing import Gate
 from relay.rows import NewInboxRow
 from relay.storable import last_resort, to_row, without_payload
@@ -87,13 +87,6 @@ def rows_json(batch: Sequence[NewInboxRow]) -> str:
         }
         for m in batch
     ]).decode()
-
-
-class Refused(Exception):
-    """PostgreSQL refused a value of the batch: a data exception (SQLSTATE
-    class 22: NUL characters, bad encodings, numbers out of range) or a
-    program limit (class 54: an index entry too big). The message's fault,
-    not the connection's."""
 
 
 def _refused_by_content(exc: BaseException) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from relay.config import BrokerURL
+from relay.errors import BadMessage
 from relay.limits import MAX_JSON_DEPTH, json_depth
 from relay.rows import Failure, OutboxRow
 
@@ -92,10 +93,6 @@ class Consumer(Protocol):
         """Acknowledge every message of a batch (after its rows are committed)."""
 
     async def close(self) -> None: ...
-
-
-class BadMessage(ValueError):
-    """An outbox row no broker can carry; publishing it again cannot help."""
 
 
 def row_headers(row: OutboxRow) -> dict[str, str]:
