@@ -12,9 +12,8 @@ stays small.
 The parent and the child talk over a socket pair, in length-prefixed
 pickles (both ends are this module, in one process tree):
 
-    parent → child   ("start", settings, pace limit, logging), ("lead", Lead), ("stop",)
-    child → parent   ("alive", connected), ("stored", received, new, dead),
-                     ("config_error", text)
+    parent → child   Start (settings, pace limit, logging), Lead (relay.pacing), Stop
+    child → parent   Alive (connected), Stored (received, new, dead), ConfigProblem (text)
 
 The child exits with its parent: PR_SET_PDEATHSIG on Linux, and an end of
 file on the socket anywhere.
@@ -31,15 +30,15 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from relay import logs
 from relay.backoff import until_available
 from relay.brokers import make_consumer
 from relay.config import InboxSettings
 from relay.errors import ConfigError, ReceiverExited
-from relay.pacing import Gate, LeadGate, Pace
+from relay.pacing import Gate, Lead, LeadGate, Pace
 from relay.receiving import InboxWriter, Receiver, Report
 
 log = logging.getLogger("relay.inbox")
@@ -93,14 +92,55 @@ class LocalReceiver:
 # --------------------------------------------------------------------------
 
 
-def _send(writer: asyncio.StreamWriter, message: tuple[Any, ...]) -> None:
+@dataclass(frozen=True)
+class Start:
+    """The parent's first message: what to receive, the pace, the logging."""
+
+    settings: InboxSettings
+    limit: int  # the Pace's limit (rows stored ahead of the dispatchers)
+    logging: tuple[str, str, tuple[str, ...]]  # relay.logs.configuration()
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop taking messages, store what is in hand, and exit 0."""
+
+
+@dataclass(frozen=True)
+class Alive:
+    """The child is alive (every ALIVE_INTERVAL) and connected to the broker, or not."""
+
+    connected: bool
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One batch stored and acknowledged (the Receiver's Report)."""
+
+    received: int
+    new: int
+    dead: int
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """The child met a ConfigError (the parent raises it): the daemon exits 2."""
+
+    text: str
+
+
+ToChild = Start | Lead | Stop
+ToParent = Alive | Stored | ConfigProblem
+
+
+def _send(writer: asyncio.StreamWriter, message: ToChild | ToParent) -> None:
     if writer.is_closing():  # the other end has gone: nobody to tell
         return
     data = pickle.dumps(message)
     writer.write(len(data).to_bytes(4, "big") + data)
 
 
-async def _receive(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
+async def _receive(reader: asyncio.StreamReader) -> ToChild | ToParent | None:
     """The next message, or None when the other end has gone."""
     try:
         head = await reader.readexactly(4)
@@ -149,10 +189,10 @@ class ReceiverProcess:
         finally:
             theirs.close()
         self._reader, self._writer = await asyncio.open_connection(sock=ours)
-        _send(self._writer, ("start", self.settings, self.pace.limit,
-                             logs.configuration() or ("INFO", "text", ())))
+        _send(self._writer, Start(self.settings, self.pace.limit,
+                                  logs.configuration() or ("INFO", "text", ())))
         if self.stopping.is_set():
-            _send(self._writer, ("stop",))
+            _send(self._writer, Stop())
         log.debug("receiver process %d started", self._proc.pid)
         while not self.connected:
             if not await self._next():
@@ -167,13 +207,12 @@ class ReceiverProcess:
         if message is None:
             return False
         self.last_alive = time.monotonic()
-        kind = message[0]
-        if kind == "alive":
-            self.connected = message[1]
-        elif kind == "stored":
-            self.report(*message[1:])
-        elif kind == "config_error":
-            raise ConfigError(message[1])
+        if isinstance(message, Alive):
+            self.connected = message.connected
+        elif isinstance(message, Stored):
+            self.report(message.received, message.new, message.dead)
+        elif isinstance(message, ConfigProblem):
+            raise ConfigError(message.text)
         return True
 
     async def _ended(self) -> None:
@@ -200,13 +239,13 @@ class ReceiverProcess:
         while True:
             lead = await self.pace.next_lead()
             if self._writer is not None:
-                _send(self._writer, ("lead", lead))
+                _send(self._writer, lead)
 
     def stop(self) -> None:
         """Ask the child to stop taking messages, store what it holds, and exit."""
         self.stopping.set()
         if self._writer is not None:
-            _send(self._writer, ("stop",))
+            _send(self._writer, Stop())
 
     async def close(self) -> None:
         """Make sure the child is gone (killed if it outlived the shutdown)."""
@@ -234,21 +273,21 @@ def _die_with_parent(parent: int) -> None:
 async def _child(fd: int) -> int:
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
     start = await _receive(reader)
-    if start is None:
+    if not isinstance(start, Start):  # the parent has gone
         return 0
-    _, settings, limit, (level, fmt, secrets) = start
-    logs.setup(level, fmt, secrets)
-    gate = LeadGate(limit)
+    logs.setup(*start.logging)
+    gate = LeadGate(start.limit)
 
     def report(received: int, new: int, dead: int) -> None:
         gate.stored(new)
-        _send(writer, ("stored", received, new, dead))
+        _send(writer, Stored(received, new, dead))
 
     try:
-        await _receive_until_stopped(LocalReceiver(settings, gate, report), reader, writer, gate)
+        await _receive_until_stopped(
+            LocalReceiver(start.settings, gate, report), reader, writer, gate)
         return 0
     except ConfigError as exc:
-        _send(writer, ("config_error", str(exc)))
+        _send(writer, ConfigProblem(str(exc)))
         return 2
     finally:
         with contextlib.suppress(Exception):
@@ -262,21 +301,21 @@ async def _receive_until_stopped(
 ) -> None:
     async def listen() -> None:
         while (message := await _receive(reader)) is not None:
-            if message[0] == "lead":
-                gate.update(message[1])
-            elif message[0] == "stop":
+            if isinstance(message, Lead):
+                gate.update(message)
+            elif isinstance(message, Stop):
                 break
         local.stop()  # asked to, or the parent has gone
 
     async def alive() -> None:
         while True:
-            _send(writer, ("alive", local.connected))
+            _send(writer, Alive(local.connected))
             await asyncio.sleep(ALIVE_INTERVAL)
 
     helpers = [asyncio.ensure_future(listen()), asyncio.ensure_future(alive())]
     try:
         if await local.start():
-            _send(writer, ("alive", True))
+            _send(writer, Alive(True))
             await local.run()
     finally:
         for task in helpers:
@@ -302,4 +341,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run by `python -m`, this file is the module __main__; the messages must
+    # travel as relay.receiver_process's classes, which the parent unpickles
+    # (and which the messages it sends are), so run that module's main.
+    import relay.receiver_process  # noqa: PLW0406 - the module, not __main__
+
+    relay.receiver_process.main()

@@ -104,7 +104,6 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
 
 async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
     """`relay outbox`: run the relay with its listener, jobs and probes; returns the exit code."""
-
     daemon = Daemon(
         name="outbox",
         services=[outbox_service(settings, once=once)],
@@ -221,7 +220,6 @@ def inbox_service(
 async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int:
     """`relay inbox`: receiver process, dispatchers, listener, jobs and probes;
     returns the exit code."""
-
     daemon = Daemon(
         name="inbox",
         services=[inbox_service(settings, registry, receiver_process=True)],
