@@ -1,10 +1,5 @@
 """The inbox's backpressure: the receiver stays at most a few batches ahead
-of the daemon's own dispatchers.
-
-Storing a message costs less than handling it: a receiver left to run
-ahead takes CPU the dispatchers need (a core, or the interpreter lock when
-it runs in their process), only to move the backlog from the broker (where
-other daemons could take it) into the table.
+of the daemon's own dispatchers (why: Pace's docstring, docs/inbox.md).
 
 Two sides, one idea. `Pace` lives beside the dispatchers (the daemon's
 process): it counts what was stored and what was dispatched. A receiver
@@ -13,7 +8,7 @@ process (relay.receiver_process) waits on a `LeadGate` instead, which the
 parent keeps up to date with a `Lead` after every change. Both are a
 `Gate` to the receiver.
 
-This module loads nothing but asyncio: the receiver's process imports it.
+The receiver's process imports this module: it loads no SQLAlchemy.
 """
 
 from __future__ import annotations
