@@ -27,23 +27,11 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from relay import storable
-from relay.errors import RelayError
+from relay.errors import Ambiguous, DeadError, NotFound
 from relay.store import NOTIFY, RETRY, Store, translate_errors
 
 TABLES = ("outbox", "inbox")
 MAX_PAGE = 500
-
-
-class DeadError(RelayError):
-    """A request about dead rows that cannot be done as asked (bad input, no such row)."""
-
-
-class NotFound(DeadError):
-    """No dead row matches."""
-
-
-class Ambiguous(DeadError):
-    """An id matches dead rows in more than one table or consumer."""
 
 
 # The error group of a row: the exception's type and first line. A handler's
