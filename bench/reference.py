@@ -522,6 +522,10 @@ async def scenario_multi(res: Resources, sz: Sizes, report: Report) -> None:
         exchange, queue = res.names(f"multi{procs}")
         await res.bind_queue(exchange, queue)
         await preload_outbox(url, count)
+        name = url.rsplit("/", 1)[1]
+        xacts = ("SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                 f"WHERE datname = '{name}'")
+        before = await scalar(url, xacts)
         started = [res.relay(f"outbox{procs}_{n}", "outbox", "--once",
                              *_daemon_args(url, exchange)) for n in range(procs)]
         for proc in started:
@@ -534,10 +538,17 @@ async def scenario_multi(res: Resources, sz: Sizes, report: Report) -> None:
         if published != count:
             raise BenchError(f"{procs} relays published {published} of {count} rows")
         rate = steady_rate(await batch_times(url, "outbox"))
+        # Claims that found only rows whose key another relay holds are
+        # transactions that publish nothing: transactions per 1,000 rows
+        # tells how many (the statistics lag by up to 0.5 s: wait for them).
+        await asyncio.sleep(1.0)
+        spent = await scalar(url, xacts) - before
         received, violations, duplicates = await read_back(queue, count, 120)
         if received != count:
             raise BenchError(f"{procs} relays: the consumer got {received} of {count}")
         report.add("multi", f"rate_{procs}", rate, "msgs/s", messages=count, processes=procs)
+        report.add("multi", f"transactions_per_1000_rows_{procs}", spent / count * 1000,
+                   "xacts", note="every transaction in the database: claims, marks, LISTEN")
         report.add("multi", f"order_violations_{procs}", violations, "msgs",
                    duplicates=duplicates, keys=KEYS)
         await res.drop_database(url)

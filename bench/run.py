@@ -101,7 +101,7 @@ class Sizes:
     latency_rates: tuple[int, ...] = (100, 500, 2000)
     wire: int = 150_000
     wire_rounds: int = 2
-    sqs_ref: int = 1_000
+    sqs_ref: int = 1_000  # moto's ReceiveMessage is quadratic in the queue's depth
     multi: int = 50_000
 
     def scaled(self, factor: float) -> Sizes:
