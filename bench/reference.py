@@ -128,7 +128,9 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         return
     count = sz.wire
     figures: dict[str, list[float]] = {"drain": [], "inbox": [], "limit_topic": [],
-                                       "limit_default": [], "node_cpu_s": []}
+                                       "limit_default": [], "node_cpu_s": [],
+                                       "rabbitmq_us_per_msg_drain": [],
+                                       "rabbitmq_us_per_msg_amqplib": []}
     loads = []
     for n in range(sz.wire_rounds):
         url = await res.database(f"wire{n}")
@@ -137,13 +139,17 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         await res.bind_queue(exchange, queue)
         await preload_outbox(url, count)  # 100 keys, topic bench.backlog
         loads.append(loadavg()[0])
+        beam = beam_cpu()
         drained = steady_rate(await run_outbox(res, url, exchange, count))
+        beam_drain = beam_cpu() - beam
         await _expect_depth(res, queue, count, "relay outbox")
         # The inbox takes the N messages relay just published.
         handled = steady_rate(await run_inbox(res, url, exchange, queue, count))
         await _expect_depth(res, queue, 0, "relay inbox")
         await res.drop_database(url)
+        beam = beam_cpu()
         topic = await node_limit(exchange, MEASURED_TOPIC, count)
+        beam_node = beam_cpu() - beam
         await _expect_depth(res, queue, count, "amqplib via the topic exchange")
         await _purge(res, queue)
         default = await node_limit("", queue, count)
@@ -156,10 +162,16 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         figures["limit_topic"].append(count / topic["seconds"])
         figures["limit_default"].append(count / default["seconds"])
         figures["node_cpu_s"].append(topic["cpu_seconds"])
+        figures["rabbitmq_us_per_msg_drain"].append(beam_drain / count * 1e6)
+        figures["rabbitmq_us_per_msg_amqplib"].append(beam_node / count * 1e6)
     loads.append(loadavg()[0])
     extra = {"messages": count, "rounds": sz.wire_rounds, "loadavg_1m": loads}
     for name, unit in (("drain", "msgs/s"), ("inbox", "msgs/s"), ("limit_topic", "msgs/s"),
-                       ("limit_default", "msgs/s"), ("node_cpu_s", "s")):
+                       ("limit_default", "msgs/s"), ("node_cpu_s", "s"),
+                       # beam.smp's CPU over each phase: other clients of the
+                       # broker count too (on a shared machine, read as a bound).
+                       ("rabbitmq_us_per_msg_drain", "us"),
+                       ("rabbitmq_us_per_msg_amqplib", "us")):
         report.add("wire", name, statistics.median(figures[name]), unit,
                    each=[round(v, 1) for v in figures[name]], **extra)
     drain, inbox = report.get("wire", "drain"), report.get("wire", "inbox")
@@ -168,6 +180,13 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         report.add("wire", "drain_over_limit", drain / topic_limit, "x")
     if drain and inbox:
         report.add("wire", "inbox_over_drain", inbox / drain, "x")
+
+
+def beam_cpu() -> float:
+    """RabbitMQ's CPU seconds so far (every beam.smp process on the machine)."""
+    from bench.where import cpu_seconds, pids_named
+
+    return sum(cpu_seconds(p) for p in pids_named("beam.smp"))
 
 
 # --------------------------------------------------------------------------

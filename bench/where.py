@@ -4,7 +4,8 @@ with the CPU each process spent and, optionally, py-spy's samples.
     .venv/bin/python -m bench.where outbox --messages 20000 [--py-spy DIR]
     .venv/bin/python -m bench.where inbox --messages 20000 [--py-spy DIR]
 
-outbox: `relay outbox --once` over N pending rows. inbox: `relay inbox`
+outbox: `relay outbox` over N pending rows (until it has published them;
+its /metrics give the workers' share of time spent publishing). inbox: `relay inbox`
 over a queue preloaded with N messages in the outbox's wire format (a
 one-INSERT handler). Prints the rate (from the batches' timestamps) and the
 CPU per message of: the daemon's processes (from /proc while they run),
@@ -22,7 +23,10 @@ import argparse
 import asyncio
 import collections
 import os
+import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 from bench.backlog import fill_queue, preload_outbox
@@ -62,9 +66,45 @@ def pids_named(name: str) -> list[int]:
     return found
 
 
-def server_cpu() -> dict[str, float]:
-    return {"rabbitmq": sum(cpu_seconds(p) for p in pids_named("beam.smp")),
-            "postgresql": sum(cpu_seconds(p) for p in pids_named("postgres"))}
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+class ServerCpu:
+    """CPU of every process of a server since start(), the ones that began
+    or ended since counted too (the last value seen, sampled every 0.5 s)."""
+
+    def __init__(self, name: str, only: str = "") -> None:
+        self.name = name
+        self.only = only  # a text its command line must hold (a database name)
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def pids(self) -> list[int]:
+        found = pids_named(self.name)
+        if self.only:
+            found = [p for p in found if self.only in _cmdline(p)]
+        return found
+
+    def start(self) -> None:
+        self.first = {p: cpu_seconds(p) for p in self.pids()}
+        self.last = dict(self.first)
+
+    def sample(self) -> None:
+        for pid in self.pids():
+            self.last[pid] = cpu_seconds(pid) or self.last.get(pid, 0.0)
+
+    def used(self) -> float:
+        return sum(v - self.first.get(p, 0.0) for p, v in self.last.items())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.sample()
+            await asyncio.sleep(0.5)
 
 
 class TreeCpu:
@@ -98,15 +138,19 @@ def hottest(raw: Path, top: int = 25) -> list[str]:
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack:
+        # The event loop's samples only: start-up (imports) left out.
+        if not stack or "run_forever" not in stack or "_find_and_load" in stack:
             continue
         n = int(count)
         total += n
-        frames = stack.split(";")
+        # A function's frames counted together, whatever the line.
+        frames = [f[:60] if f.startswith("process ") else re.sub(r":\d+\)$", ")", f)
+                  for f in stack.split(";")]
         own[frames[-1]] += n
         for frame in set(frames):
             inclusive[frame] += n
-    lines = [f"{total} samples; self:"]
+    total = max(total, 1)
+    lines = [f"{total} samples in the event loop (start-up left out); self:"]
     lines += [f"  {n / total:6.1%}  {f}" for f, n in own.most_common(top)]
     lines += ["inclusive:"]
     lines += [f"  {n / total:6.1%}  {f}" for f, n in inclusive.most_common(top)]
@@ -114,7 +158,8 @@ def hottest(raw: Path, top: int = 25) -> list[str]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    from bench.run import _create_effects, _daemon_args, wait_metric
+    from bench.run import _create_effects, _daemon_args, metrics, wait_metric
+    from relay.outbox import WORKERS
 
     res = Resources(f"where_{args.daemon}")
     try:
@@ -124,7 +169,8 @@ async def main(args: argparse.Namespace) -> None:
         count = args.messages
         if args.daemon == "outbox":
             await preload_outbox(url, count)
-            daemon_args = ["outbox", "--once", *_daemon_args(url, exchange)]
+            port = free_port()
+            daemon_args = ["outbox", *_daemon_args(url, exchange), "--http-port", str(port)]
         else:
             await _create_effects(url)
             await fill_queue(res, exchange, queue, count)
@@ -139,37 +185,63 @@ async def main(args: argparse.Namespace) -> None:
             argv = [spy, "record", "--subprocesses", "--format", "raw", "--rate", "250",
                     "--nonblocking", "-o", str(out), "--", *argv]
         load = loadavg()
-        servers = server_cpu()
         proc = res.spawn(args.daemon, argv)
         tree = TreeCpu(proc.pid)
         stop = asyncio.Event()
         sampler = asyncio.create_task(tree.run(stop))
         started = "outbox relay started" if args.daemon == "outbox" else "inbox started"
         await proc.wait_log(started, timeout=120)
+        # From here on: start-up (imports, connections) left out.
+        tree.sample()
+        at_start = {pid: seconds for pid, (_, seconds) in tree.seen.items()}
+        servers = [ServerCpu("beam.smp"), ServerCpu("postgres"),
+                   ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " ")]
+        for server in servers:
+            server.start()
+        watchers = [asyncio.create_task(server.run(stop)) for server in servers]
+        began = time.monotonic()
+        publish_seconds = None
         if args.daemon == "outbox":
-            code = await proc.wait_exit(timeout=max(300.0, count / 300))
-            if code != 0:
-                raise BenchError(f"relay outbox exited {code}:\n{proc.tail()}")
+            ended = await wait_metric(proc, port, "relay_outbox_published_total", count,
+                                      timeout=max(300.0, count / 150), interval=0.2)
+            publish_seconds = (await metrics(port)).get("relay_outbox_publish_seconds_sum")
         else:
             await wait_metric(proc, port, "relay_inbox_processed_total", count,
                               timeout=max(300.0, count / 150), interval=0.5,
                               fail_on="relay_inbox_failed_total")
-            tree.sample()
-            await proc.stop()
+        tree.sample()
+        # py-spy writes its samples once the daemon it runs exits.
+        daemon = descendants(proc.pid)[0] if args.py_spy else proc.pid
+        os.kill(daemon, signal.SIGTERM)
+        code = await proc.wait_exit(timeout=60)
+        if code != 0:
+            raise BenchError(f"relay exited {code} on SIGTERM:\n{proc.tail()}")
         stop.set()
-        await sampler
-        used = {k: v - servers[k] for k, v in server_cpu().items()}
+        await asyncio.gather(sampler, *watchers)
+        for server in servers:
+            server.sample()
+        used = {"rabbitmq": servers[0].used(), "postgresql": servers[1].used()}
+        backends = servers[2].used()
         table = "outbox" if args.daemon == "outbox" else "inbox"
         rate = steady_rate(await batch_times(url, table))
         print(f"{args.daemon}: {count:,} messages, {rate or 0:,.0f} msgs/s (steady), "
               f"load average {load} -> {loadavg()}")
-        print("CPU per message, µs (the daemon from start-up to exit):")
-        for label, seconds in tree.seen.values():
+        print("CPU per message, µs (from the daemon's 'started' line to the end):")
+        for pid, (label, seconds) in tree.seen.items():
             if "py-spy" not in label:
-                print(f"  {seconds / count * 1e6:7.1f}  {label}")
+                spent = seconds - at_start.get(pid, 0.0)
+                print(f"  {spent / count * 1e6:7.1f}  {label}")
+        print(f"  {backends / count * 1e6:7.1f}  postgresql: the backends of this "
+              "benchmark's database")
         for name, seconds in used.items():
             print(f"  {seconds / count * 1e6:7.1f}  {name} (all its processes, other "
                   "clients included)")
+        if publish_seconds is not None:
+            # Each worker's time from its first write to the batch's last
+            # confirm, against the time the workers had.
+            share = publish_seconds / (WORKERS * (ended - began))
+            print(f"outbox workers' time publishing (write to last confirm): {share:.0%}; "
+                  "the rest: claim, mark, commit, waiting for the event loop")
         if args.py_spy:
             print("\n".join(hottest(Path(args.py_spy) / f"{args.daemon}.raw")))
     finally:
