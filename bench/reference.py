@@ -82,7 +82,7 @@ def ensure_amqplib() -> str | None:
     done = subprocess.run(
         ["npm", "install", "--prefix", str(NODE_DIR), "--no-audit", "--no-fund",
          "--loglevel", "error", AMQPLIB],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=120,
     )
     if done.returncode != 0:
         return f"npm install {AMQPLIB} failed: {(done.stderr or done.stdout)[-500:]}"

@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +65,26 @@ def pids_named(name: str) -> list[int]:
                     found.append(int(entry))
             except OSError:
                 pass
+    return found
+
+
+def client_of_backends(database: str) -> dict[int, int]:
+    """{postgres backend pid: pid of the client process at the other end}
+    for the backends of `database`, from their "127.0.0.1(PORT)" titles and
+    `ss -tnp` (the client's port)."""
+    owners: dict[int, int] = {}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        for line in subprocess.run(["ss", "-tnpH"], capture_output=True, text=True,
+                                   timeout=10).stdout.splitlines():
+            parts = line.split()
+            match = re.search(r"pid=(\d+)", line)
+            if len(parts) >= 5 and match and parts[4].endswith(":5432"):
+                owners[int(parts[3].rsplit(":", 1)[1])] = int(match.group(1))
+    found = {}
+    for pid in pids_named("postgres"):
+        match = re.search(rf"{re.escape(database)} 127\.0\.0\.1\((\d+)\)", _cmdline(pid))
+        if match and int(match.group(1)) in owners:
+            found[pid] = owners[int(match.group(1))]
     return found
 
 
@@ -176,7 +198,7 @@ async def main(args: argparse.Namespace) -> None:
             await fill_queue(res, exchange, queue, count)
             port = free_port()
             daemon_args = ["inbox", *_daemon_args(url, exchange), "--queue", queue,
-                           "--handlers", "bench.handlers", "--http-port", str(port)]
+                           "--handlers", args.handlers, "--http-port", str(port)]
         argv = [*relay_command(), *daemon_args]
         if args.py_spy:
             out = Path(args.py_spy) / f"{args.daemon}.raw"
@@ -200,6 +222,9 @@ async def main(args: argparse.Namespace) -> None:
             server.start()
         watchers = [asyncio.create_task(server.run(stop)) for server in servers]
         began = time.monotonic()
+        database = url.rsplit("/", 1)[1]
+        await asyncio.sleep(1.0)  # every connection open
+        backend_clients = await asyncio.to_thread(client_of_backends, database)
         publish_seconds = None
         if args.daemon == "outbox":
             ended = await wait_metric(proc, port, "relay_outbox_published_total", count,
@@ -232,7 +257,15 @@ async def main(args: argparse.Namespace) -> None:
                 spent = seconds - at_start.get(pid, 0.0)
                 print(f"  {spent / count * 1e6:7.1f}  {label}")
         print(f"  {backends / count * 1e6:7.1f}  postgresql: the backends of this "
-              "benchmark's database")
+              "benchmark's database; by the client process at the other end:")
+        by_client: collections.Counter[str] = collections.Counter()
+        labels = {pid: label for pid, (label, _) in tree.seen.items()}
+        for backend, seconds in servers[2].last.items():
+            client = backend_clients.get(backend)
+            label = labels.get(client, "another client") if client else "not matched"
+            by_client[label] += seconds - servers[2].first.get(backend, 0.0)
+        for label, seconds in by_client.most_common():
+            print(f"  {seconds / count * 1e6:9.1f}  {label}")
         for name, seconds in used.items():
             print(f"  {seconds / count * 1e6:7.1f}  {name} (all its processes, other "
                   "clients included)")
@@ -254,6 +287,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.where")
     parser.add_argument("daemon", choices=("outbox", "inbox"))
     parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--handlers", default="bench.handlers",
+                        help="inbox: bench.handlers (one INSERT) or bench.handlers:noop")
     parser.add_argument("--py-spy", metavar="DIR", help="record the daemon with py-spy into DIR")
     os.chdir(REPO)
     asyncio.run(main(parser.parse_args()))
