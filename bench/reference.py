@@ -79,11 +79,14 @@ def ensure_amqplib() -> str | None:
     if not shutil.which("node") or not shutil.which("npm"):
         return "node and npm are needed for the wire-format limit (Node's amqplib)"
     NODE_DIR.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["npm", "install", "--prefix", str(NODE_DIR), "--no-audit", "--no-fund",
-         "--loglevel", "error", AMQPLIB],
-        capture_output=True, text=True, timeout=120,
-    )
+    try:
+        done = subprocess.run(
+            ["npm", "install", "--prefix", str(NODE_DIR), "--no-audit", "--no-fund",
+             "--loglevel", "error", AMQPLIB],
+            capture_output=True, text=True, timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"npm install {AMQPLIB} failed: {exc}"
     if done.returncode != 0:
         return f"npm install {AMQPLIB} failed: {(done.stderr or done.stdout)[-500:]}"
     return None
