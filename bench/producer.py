@@ -6,7 +6,8 @@ Python process could not (it reached 1,430-1,822 here).
         --out FILE [--lanes N] [--offset K --stride P]
 
 Connects, prints "ready", then reads the epoch of message 0 from stdin
-(the processes share one schedule, whatever their start-up took).
+(the processes share one schedule, whatever their start-up took). Runs
+--nice (5) levels below its parent: the relay it loads goes first.
 
 Commits message i (i = offset, offset + stride, ...) at `start + i / (rate *
 stride)`: P processes with offsets 0..P-1 interleave one schedule of
