@@ -489,6 +489,12 @@ async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) ->
     durations.sort()
     report.add("latency_offered", "commit_p50", percentile(durations, 50), "ms")
     report.add("latency_offered", "commit_p99", percentile(durations, 99), "ms")
+    # Batches: transactions that published (published_at is each one's start).
+    batches = await scalar(url, "SELECT count(DISTINCT published_at) FROM outbox "
+                                "WHERE status = 'published'")
+    if batches:
+        report.add("latency_offered", "mean_batch", len(commits) / batches, "rows",
+                   batches=batches)
     if relay.popen.poll() is not None:
         raise BenchError(f"relay outbox exited {relay.popen.returncode}:\n{relay.tail()}")
 
