@@ -123,7 +123,7 @@ QUICK = Sizes(limit_pg=20_000, limit_amqp=5_000, naive=3_000, naive_seconds=3.0,
               drain=5_000, latency_seconds=2.0, inbox=5_000, sqs=300,
               memory=3_000, scale_measured=5_000, scale_pending=(1_000, 10_000),
              backlog=5_000, backlog_reference=2_000, retention_rows=10_000,
-             retention_measured=2_000, wire=5_000, wire_rounds=1, sqs_ref=200, multi=5_000)
+             retention_measured=2_000, wire=5_000, wire_rounds=1, sqs_ref=100, multi=5_000)
 
 
 # --------------------------------------------------------------------------

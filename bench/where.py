@@ -184,6 +184,7 @@ async def main(args: argparse.Namespace) -> None:
     from relay.outbox import WORKERS
 
     res = Resources(f"where_{args.daemon}")
+    proc = None
     try:
         url = await res.database()
         exchange, queue = res.names()
@@ -278,6 +279,11 @@ async def main(args: argparse.Namespace) -> None:
         if args.py_spy:
             print("\n".join(hottest(Path(args.py_spy) / f"{args.daemon}.raw")))
     finally:
+        # Under py-spy the daemon is py-spy's child: stop it first, or it
+        # outlives the run (Resources only signals the process it started).
+        for pid in descendants(proc.pid) if proc is not None else []:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
         problems = await res.close()
         if problems:
             print("cleanup:", problems, file=sys.stderr)
