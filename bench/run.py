@@ -16,7 +16,7 @@ all rows over the time from the daemon's "started" log line to the end.
 Fewer than five batches give no "rate" (a 1,000-row SQS drain is two claims).
 
 --quick: a few thousand messages per scenario, memory and scale at smoke
-size (their targets are not judged); under ~2 minutes. --scale multiplies
+size (their targets are not judged); about 2.5 minutes on a busy 2-core machine. --scale multiplies
 every message count. Exit status 0 unless something is broken (a daemon
 failed, messages went missing); a missed target is reported, not an error.
 """
