@@ -24,3 +24,13 @@ _INSERT = sa.text("INSERT INTO bench_effects (message_id, n) VALUES (:m, :n)")
 def bench(message: relay.Message, conn: sa.Connection) -> None:
     payload = message.payload if isinstance(message.payload, dict) else {}
     conn.execute(_INSERT, {"m": message.id, "n": payload.get("i")})
+
+
+# `--handlers bench.handlers:noop`: the same type handled by doing nothing,
+# to tell the handler's own statement from the rest of the inbox's work.
+noop = relay.HandlerRegistry()
+
+
+@noop.handler("Bench")
+def nothing(message: relay.Message, conn: sa.Connection) -> None:
+    pass

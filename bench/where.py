@@ -1,0 +1,300 @@
+"""Where the time goes (issue 21): one daemon over N messages of 100 keys,
+with the CPU each process spent and, optionally, py-spy's samples.
+
+    .venv/bin/python -m bench.where outbox --messages 20000 [--py-spy DIR]
+    .venv/bin/python -m bench.where inbox --messages 20000 [--py-spy DIR]
+
+outbox: `relay outbox` over N pending rows (until it has published them;
+its /metrics give the workers' share of time spent publishing). inbox: `relay inbox`
+over a queue preloaded with N messages in the outbox's wire format (a
+one-INSERT handler). Prints the rate (from the batches' timestamps) and the
+CPU per message of: the daemon's processes (from /proc while they run),
+RabbitMQ (beam.smp) and PostgreSQL (every postgres process: other clients
+of the same servers count too, so run it on a quiet machine or read it as
+an upper bound). With --py-spy, the daemon runs under `py-spy record
+--subprocesses --format raw` and the hottest frames are printed (self and
+inclusive share of the samples). Reads the servers' processes only; changes
+nothing in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.backlog import fill_queue, preload_outbox
+from bench.common import (
+    REPO,
+    BenchError,
+    Resources,
+    batch_times,
+    descendants,
+    free_port,
+    loadavg,
+    relay_command,
+    steady_rate,
+)
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def pids_named(name: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if Path(f"/proc/{entry}/comm").read_text().strip() == name:
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def client_of_backends(database: str) -> dict[int, int]:
+    """{postgres backend pid: pid of the client process at the other end}
+    for the backends of `database`, from their "127.0.0.1(PORT)" titles and
+    `ss -tnp` (the client's port)."""
+    owners: dict[int, int] = {}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        for line in subprocess.run(["ss", "-tnpH"], capture_output=True, text=True,
+                                   timeout=10).stdout.splitlines():
+            parts = line.split()
+            match = re.search(r"pid=(\d+)", line)
+            if len(parts) >= 5 and match and parts[4].endswith(":5432"):
+                owners[int(parts[3].rsplit(":", 1)[1])] = int(match.group(1))
+    found = {}
+    for pid in pids_named("postgres"):
+        match = re.search(rf"{re.escape(database)} 127\.0\.0\.1\((\d+)\)", _cmdline(pid))
+        if match and int(match.group(1)) in owners:
+            found[pid] = owners[int(match.group(1))]
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+class ServerCpu:
+    """CPU of every process of a server since start(), the ones that began
+    or ended since counted too (the last value seen, sampled every 0.5 s)."""
+
+    def __init__(self, name: str, only: str = "") -> None:
+        self.name = name
+        self.only = only  # a text its command line must hold (a database name)
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def pids(self) -> list[int]:
+        found = pids_named(self.name)
+        if self.only:
+            found = [p for p in found if self.only in _cmdline(p)]
+        return found
+
+    def start(self) -> None:
+        self.first = {p: cpu_seconds(p) for p in self.pids()}
+        self.last = dict(self.first)
+
+    def sample(self) -> None:
+        for pid in self.pids():
+            self.last[pid] = cpu_seconds(pid) or self.last.get(pid, 0.0)
+
+    def used(self) -> float:
+        return sum(v - self.first.get(p, 0.0) for p, v in self.last.items())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.sample()
+            await asyncio.sleep(0.5)
+
+
+class TreeCpu:
+    """The last CPU seen of each process in a tree, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, tuple[str, float]] = {}
+
+    def sample(self) -> None:
+        for pid in [self.pid, *descendants(self.pid)]:
+            seconds = cpu_seconds(pid)
+            if seconds:
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    label = " ".join(c.decode(errors="replace") for c in cmd[:3])[-60:]
+                except OSError:
+                    label = str(pid)
+                self.seen[pid] = (label, seconds)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.sample()
+            await asyncio.sleep(0.2)
+
+
+def hottest(raw: Path, top: int = 25) -> list[str]:
+    """The frames with the most samples in py-spy's raw (collapsed) output."""
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        # The event loop's samples only: start-up (imports) left out.
+        if not stack or "run_forever" not in stack or "_find_and_load" in stack:
+            continue
+        n = int(count)
+        total += n
+        # A function's frames counted together, whatever the line.
+        frames = [f[:60] if f.startswith("process ") else re.sub(r":\d+\)$", ")", f)
+                  for f in stack.split(";")]
+        own[frames[-1]] += n
+        for frame in set(frames):
+            inclusive[frame] += n
+    total = max(total, 1)
+    lines = [f"{total} samples in the event loop (start-up left out); self:"]
+    lines += [f"  {n / total:6.1%}  {f}" for f, n in own.most_common(top)]
+    lines += ["inclusive:"]
+    lines += [f"  {n / total:6.1%}  {f}" for f, n in inclusive.most_common(top)]
+    return lines
+
+
+async def main(args: argparse.Namespace) -> None:
+    from bench.run import _create_effects, _daemon_args, metrics, wait_metric
+    from relay.outbox import WORKERS
+
+    res = Resources(f"where_{args.daemon}")
+    proc = None
+    try:
+        url = await res.database()
+        exchange, queue = res.names()
+        await res.bind_queue(exchange, queue)
+        count = args.messages
+        if args.daemon == "outbox":
+            await preload_outbox(url, count)
+            port = free_port()
+            daemon_args = ["outbox", *_daemon_args(url, exchange), "--http-port", str(port)]
+        else:
+            await _create_effects(url)
+            await fill_queue(res, exchange, queue, count)
+            port = free_port()
+            daemon_args = ["inbox", *_daemon_args(url, exchange), "--queue", queue,
+                           "--handlers", args.handlers, "--http-port", str(port)]
+        argv = [*relay_command(), *daemon_args]
+        if args.py_spy:
+            out = Path(args.py_spy) / f"{args.daemon}.raw"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            spy = str(Path(sys.executable).parent / "py-spy")
+            argv = [spy, "record", "--subprocesses", "--format", "raw", "--rate", "250",
+                    "--nonblocking", "-o", str(out), "--", *argv]
+        load = loadavg()
+        proc = res.spawn(args.daemon, argv)
+        tree = TreeCpu(proc.pid)
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(tree.run(stop))
+        started = "outbox relay started" if args.daemon == "outbox" else "inbox started"
+        await proc.wait_log(started, timeout=120)
+        # From here on: start-up (imports, connections) left out.
+        tree.sample()
+        at_start = {pid: seconds for pid, (_, seconds) in tree.seen.items()}
+        servers = [ServerCpu("beam.smp"), ServerCpu("postgres"),
+                   ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " ")]
+        for server in servers:
+            server.start()
+        watchers = [asyncio.create_task(server.run(stop)) for server in servers]
+        began = time.monotonic()
+        database = url.rsplit("/", 1)[1]
+        await asyncio.sleep(1.0)  # every connection open
+        backend_clients = await asyncio.to_thread(client_of_backends, database)
+        publish_seconds = None
+        if args.daemon == "outbox":
+            ended = await wait_metric(proc, port, "relay_outbox_published_total", count,
+                                      timeout=max(300.0, count / 150), interval=0.2)
+            publish_seconds = (await metrics(port)).get("relay_outbox_publish_seconds_sum")
+        else:
+            await wait_metric(proc, port, "relay_inbox_processed_total", count,
+                              timeout=max(300.0, count / 150), interval=0.5,
+                              fail_on="relay_inbox_failed_total")
+        tree.sample()
+        # py-spy writes its samples once the daemon it runs exits.
+        daemon = descendants(proc.pid)[0] if args.py_spy else proc.pid
+        os.kill(daemon, signal.SIGTERM)
+        code = await proc.wait_exit(timeout=60)
+        if code != 0:
+            raise BenchError(f"relay exited {code} on SIGTERM:\n{proc.tail()}")
+        stop.set()
+        await asyncio.gather(sampler, *watchers)
+        for server in servers:
+            server.sample()
+        used = {"rabbitmq": servers[0].used(), "postgresql": servers[1].used()}
+        backends = servers[2].used()
+        table = "outbox" if args.daemon == "outbox" else "inbox"
+        rate = steady_rate(await batch_times(url, table))
+        print(f"{args.daemon}: {count:,} messages, {rate or 0:,.0f} msgs/s (steady), "
+              f"load average {load} -> {loadavg()}")
+        print("CPU per message, µs (from the daemon's 'started' line to the end):")
+        for pid, (label, seconds) in tree.seen.items():
+            if "py-spy" not in label:
+                spent = seconds - at_start.get(pid, 0.0)
+                print(f"  {spent / count * 1e6:7.1f}  {label}")
+        print(f"  {backends / count * 1e6:7.1f}  postgresql: the backends of this "
+              "benchmark's database; by the client process at the other end:")
+        by_client: collections.Counter[str] = collections.Counter()
+        labels = {pid: label for pid, (label, _) in tree.seen.items()}
+        for backend, seconds in servers[2].last.items():
+            client = backend_clients.get(backend)
+            label = labels.get(client, "another client") if client else "not matched"
+            by_client[label] += seconds - servers[2].first.get(backend, 0.0)
+        for label, seconds in by_client.most_common():
+            print(f"  {seconds / count * 1e6:9.1f}  {label}")
+        for name, seconds in used.items():
+            print(f"  {seconds / count * 1e6:7.1f}  {name} (all its processes, other "
+                  "clients included)")
+        if publish_seconds is not None:
+            # Each worker's time from its first write to the batch's last
+            # confirm, against the time the workers had.
+            share = publish_seconds / (WORKERS * (ended - began))
+            print(f"outbox workers' time publishing (write to last confirm): {share:.0%}; "
+                  "the rest: claim, mark, commit, waiting for the event loop")
+        if args.py_spy:
+            print("\n".join(hottest(Path(args.py_spy) / f"{args.daemon}.raw")))
+    finally:
+        # Under py-spy the daemon is py-spy's child: stop it first, or it
+        # outlives the run (Resources only signals the process it started).
+        for pid in descendants(proc.pid) if proc is not None else []:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        problems = await res.close()
+        if problems:
+            print("cleanup:", problems, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.where")
+    parser.add_argument("daemon", choices=("outbox", "inbox"))
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--handlers", default="bench.handlers",
+                        help="inbox: bench.handlers (one INSERT) or bench.handlers:noop")
+    parser.add_argument("--py-spy", metavar="DIR", help="record the daemon with py-spy into DIR")
+    os.chdir(REPO)
+    asyncio.run(main(parser.parse_args()))
