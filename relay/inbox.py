@@ -212,6 +212,7 @@ class Dispatcher:
             failed.append((row, failure, self.backoff.delay(row.attempts + 1)))
             if row.key is not None:
                 failed_keys.add(row.key)
+        savepoints.release()
         return processed, failed
 
     def _handle(

@@ -331,6 +331,7 @@ class Savepoint:
         self._set = f"SAVEPOINT {name}"
         self._move = f"RELEASE SAVEPOINT {name}; SAVEPOINT {name}"
         self._undo = f"ROLLBACK TO SAVEPOINT {name}"
+        self._release = f"RELEASE SAVEPOINT {name}"
         self._open = False
 
     def set(self) -> None:
@@ -341,6 +342,12 @@ class Savepoint:
     def undo(self) -> None:
         """Roll back what ran since the last set()."""
         self._exec(self._undo)
+
+    def release(self) -> None:
+        """End the savepoint (and any set after it), keeping what ran."""
+        if self._open:
+            self._exec(self._release)
+            self._open = False
 
     def _exec(self, command: str) -> None:
         result = self._pgconn.exec_(command.encode())
@@ -364,6 +371,20 @@ class HandlerSavepoints:
         self._pgconn = driver_connection.pgconn
         self.batch = Savepoint(self._pgconn, "relay_batch")
         self.handler = Savepoint(self._pgconn, "relay_handler")
+
+    def release(self) -> None:
+        """End the savepoints before the batch's marks, so that the marks run
+        in the transaction itself. A row this transaction locked (the claim's
+        FOR UPDATE) and then updated from inside a savepoint gets a MultiXact
+        as its xmax, and an index scan never takes a MultiXact's row version
+        for surely dead: its entries in the pending and per-key indexes stay
+        live for every claim to visit in the heap until a vacuum, and the
+        claim's walk to the lowest pending row grows through a backlog
+        (docs/backlog.md). One round trip a batch."""
+        if self.batch._open:
+            self.batch.release()  # ends relay_handler too, if set after it
+            self.handler._open = False
+        self.handler.release()
 
     def aborted(self) -> bool:
         """Did a statement fail in the transaction (no round trip)?"""
