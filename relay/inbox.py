@@ -22,15 +22,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy.exc as sa_exc
-
 from relay import storable, tracing
 from relay.backoff import Backoff, sleep_unless, until_available
 from relay.config import InboxSettings
+from relay.db import Store, connection_invalidated
 from relay.errors import Unavailable
 from relay.handlers import Handler, HandlerRegistry, Message, call_from_sync, is_async
 from relay.metrics import InboxMetrics
-from relay.store import Failure, InboxRow, Store
+from relay.rows import Failure, InboxRow
 
 if TYPE_CHECKING:
     from relay.lifecycle import Service
@@ -346,7 +345,7 @@ class Dispatcher:
         except Unavailable:
             raise
         except Exception as exc:
-            if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+            if connection_invalidated(exc):
                 raise  # the database went away: not the handler's failure
             if isinstance(exc, TimeoutError) and not str(exc):  # asyncio.timeout's
                 return Failure(
@@ -370,8 +369,8 @@ class Dispatcher:
                 log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
                 await sleep_unless(self.stopping, delay)
                 continue
-            except sa_exc.DBAPIError as exc:
-                if not exc.connection_invalidated:
+            except Exception as exc:
+                if not connection_invalidated(exc):
                     raise
                 failures += 1
                 await sleep_unless(self.stopping, self.reconnect.delay(failures))
@@ -528,11 +527,11 @@ def inbox_service(
 
     With `receiver_process` the receiver runs in a child process of its own
     (relay.receiving.ReceiverProcess); else on the daemon's event loop."""
+    from relay.db import NOTIFY_INBOX, Listener
     from relay.lifecycle import STALL_AFTER, Service, Started, run_together
     from relay.logs import with_log_context
     from relay.maintenance import run_scheduler
     from relay.receiving import LocalReceiver, ReceiverProcess
-    from relay.store import NOTIFY_INBOX, Listener
 
     assert settings.broker is not None
     tracing.setup("relay-inbox")

@@ -19,9 +19,10 @@ from relay import tracing
 from relay.backoff import Backoff
 from relay.brokers import Outcome, Publisher
 from relay.config import OutboxSettings
+from relay.db import OutboxSession, Store
 from relay.errors import BrokerUnavailable, Unavailable
 from relay.metrics import OutboxMetrics
-from relay.store import Failure, OutboxRow, OutboxSession, Store
+from relay.rows import Failure, OutboxRow
 
 if TYPE_CHECKING:
     from relay.lifecycle import Service
@@ -286,9 +287,9 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
     listener, the scheduled jobs, probes and metrics (not running yet)."""
     from relay.brokers import make_publisher
+    from relay.db import NOTIFY_OUTBOX, Listener
     from relay.lifecycle import STALL_AFTER, Service, Started
     from relay.maintenance import run_scheduler
-    from relay.store import NOTIFY_OUTBOX, Listener
 
     broker = settings.broker
     assert broker is not None

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from relay import tracing
+from relay.db.schema import outbox
 from relay.limits import (
     MAX_JSON_DEPTH,
     MAX_KEY_BYTES,
@@ -24,7 +25,6 @@ from relay.limits import (
     utf8_length,
     value_depth,
 )
-from relay.schema import outbox
 
 _builtin_type = type
 

@@ -19,9 +19,9 @@ import sqlalchemy as sa
 
 import relay
 from relay.config import InboxSettings
+from relay.db import Store
 from relay.inbox import DISPATCHERS, PACE_BATCHES, Dispatcher
 from relay.metrics import InboxMetrics
-from relay.store import Store
 from tests.conftest import (
     HANDLERS,
     MIXED_HANDLERS,
