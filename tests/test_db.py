@@ -17,7 +17,13 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from relay.db import sql
-from relay.db.errors import Refused, any_driver_error, translate_errors, unavailable
+from relay.db.errors import (
+    Refused,
+    any_driver_error,
+    failed_command,
+    translate_errors,
+    unavailable,
+)
 from relay.errors import DatabaseUnavailable
 from tests.conftest import REPO
 
@@ -129,6 +135,16 @@ def test_the_writer_refuses_values_and_loses_connections():
     assert isinstance(refused, Refused) and str(refused) == "bad"
     lost = unavailable(psycopg.errors.ReadOnlySqlTransaction("read only"), any_driver_error)
     assert isinstance(lost, DatabaseUnavailable)
+
+
+def test_a_failed_savepoint_command_is_lost_only_with_its_connection():
+    lost = failed_command("SAVEPOINT x", "server closed the connection\n", connection_bad=True)
+    assert isinstance(lost, DatabaseUnavailable)
+    assert str(lost) == "OperationalError: server closed the connection"
+    failed = failed_command("SAVEPOINT x", "current transaction is aborted",
+                            connection_bad=False)
+    assert isinstance(failed, psycopg.DatabaseError)
+    assert str(failed) == "SAVEPOINT x: current transaction is aborted"
 
 
 # -- who imports what ---------------------------------------------------------------

@@ -82,6 +82,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(orig).__name__}: {text[0] if text else ''}"
 
 
+def failed_command(command: str, message: str, *, connection_bad: bool) -> Exception:
+    """The error for a command sent straight to libpq that failed (the
+    handlers' savepoints, relay.db.store.Savepoint): DatabaseUnavailable when
+    the connection is gone, else the driver's DatabaseError."""
+    if connection_bad:
+        return DatabaseUnavailable(f"OperationalError: {message.strip()}")
+    return psycopg.DatabaseError(f"{command}: {message.strip()}")
+
+
 def unavailable(exc: BaseException, lost: Predicate = is_disconnect) -> BaseException | None:
     """relay's own error for `exc`, or None when `exc` goes on as it is:
     DatabaseUnavailable when `lost(exc)` (by default: the server went away),

@@ -23,10 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from relay.config import redact_url
 from relay.db import connect as pg
 from relay.db import schema
-from relay.db.errors import translate_errors
+from relay.db.errors import failed_command, translate_errors
 from relay.db.session import OutboxSession
 from relay.db.sql import claim, query
-from relay.errors import DatabaseUnavailable
 from relay.limits import clean_error
 from relay.rows import Failure, InboxRow
 
@@ -89,9 +88,8 @@ class Savepoint:
         if result.status == psycopg.pq.ExecStatus.COMMAND_OK:
             return
         message = (result.error_message or self._pgconn.error_message).decode(errors="replace")
-        if self._pgconn.status == psycopg.pq.ConnStatus.BAD:
-            raise DatabaseUnavailable(f"OperationalError: {message.strip()}")
-        raise psycopg.DatabaseError(f"{command}: {message.strip()}")
+        raise failed_command(command, message,
+                             connection_bad=self._pgconn.status == psycopg.pq.ConnStatus.BAD)
 
 
 class HandlerSavepoints:
