@@ -47,7 +47,7 @@ from typing import Any
 import aio_pika
 import orjson
 
-from bench import limits
+from bench import common, limits
 from bench.backlog import scenario_backlog, scenario_retention
 from bench.common import (
     AMQP_URL,
@@ -69,6 +69,7 @@ from bench.common import (
 )
 from bench.handlers import EFFECTS_DDL
 from bench.naive import run_naive
+from bench.pgserver import own_postgres
 from relay.outbox import WORKERS
 
 RESULTS = REPO / "bench" / "results"
@@ -570,6 +571,9 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "backlog": scenario_backlog,
     "retention": scenario_retention,
 }
+# Judged with PostgreSQL's default server settings (issue 24): they run on a
+# cluster of their own (bench.pgserver) unless --shared-postgres.
+OWN_SERVER = frozenset({"backlog", "retention"})
 
 
 # --------------------------------------------------------------------------
@@ -680,6 +684,17 @@ def print_table(report: Report, checks: list[dict[str, Any]]) -> None:
             print(f"\n{name}: skipped ({info['skipped']})")
 
 
+async def server_settings() -> dict[str, str]:
+    """The PostgreSQL settings that move these figures, of the server in use."""
+    async with await connect(db_url("postgres"), autocommit=True) as conn:
+        settings = {}
+        for name in ("server_version", "shared_buffers", "synchronous_commit", "fsync",
+                     "autovacuum", "autovacuum_naptime", "max_connections"):
+            row = await (await conn.execute(f"SHOW {name}")).fetchone()
+            settings[name] = row[0] if row else ""
+    return settings
+
+
 async def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "nproc": os.cpu_count(),
@@ -696,11 +711,7 @@ async def machine_info() -> dict[str, Any]:
                 info["cpu"] = line.split(":", 1)[1].strip()
                 break
     try:
-        async with await connect(db_url("postgres"), autocommit=True) as conn:
-            settings = {}
-            for name in ("server_version", "shared_buffers", "synchronous_commit", "fsync",
-                         "autovacuum", "max_connections"):
-                settings[name] = (await (await conn.execute(f"SHOW {name}")).fetchone())[0]
+        settings = await server_settings()
         info["postgresql"] = settings.pop("server_version")
         info["postgresql_settings"] = settings
     except Exception as exc:
@@ -763,7 +774,13 @@ async def run(args: argparse.Namespace) -> int:
         print(f"- {name} ...", end=" ", flush=True)
         state: dict[str, Any] = report.scenarios.setdefault(name, {})
         try:
-            await SCENARIOS[name](res, sizes, report)
+            async with contextlib.AsyncExitStack() as stack:
+                if name in OWN_SERVER and not args.shared_postgres:
+                    server = await stack.enter_async_context(own_postgres())
+                    stack.callback(setattr, common, "PG_URL", common.PG_URL)
+                    common.PG_URL = server.url
+                    state["postgresql_settings"] = await server_settings()
+                await SCENARIOS[name](res, sizes, report)
         except asyncio.CancelledError:
             # Ctrl-C or SIGTERM: clean up, keep what was measured, stop.
             interrupted = res.failed = True
@@ -812,6 +829,9 @@ def main() -> None:
     parser.add_argument("--backlog", type=int,
                         help="messages per daemon in the backlog scenario "
                              "[default: 1,000,000; --quick 5,000]")
+    parser.add_argument("--shared-postgres", action="store_true",
+                        help="run backlog and retention on BENCH_PG_URL's server too, instead "
+                             "of a cluster of their own with the default settings")
     parser.add_argument("--out", help="JSON results file [default: bench/results/latest.json "
                                       "and a timestamped copy]")
     args = parser.parse_args()

@@ -1,8 +1,10 @@
-"""Retry delays, from tenacity's wait strategies.
+"""Retry delays, from tenacity's wait strategies, and the reconnect wait.
 
 Failed publishes and handler runs wait a delay that grows exponentially
 with full jitter between --backoff-min and --backoff-max, so a crowd of
 failures spreads out; reconnects use the same shape with shorter bounds.
+Every loop (the outbox's workers, the dispatchers, the receiver) waits out
+an unreachable server here, with the same log line.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import tenacity
 from tenacity.wait import wait_base
 
 from relay.errors import Unavailable
+
+# A server that is away is tried again after 0.5 s, then waits growing to 30 s.
+RECONNECT_MIN = 0.5
+RECONNECT_MAX = 30.0
 
 
 @dataclass
@@ -44,6 +50,25 @@ async def sleep_unless(event: asyncio.Event, seconds: float) -> None:
         pass
 
 
+def reconnect_backoff() -> Backoff:
+    """The waits between attempts to reach a server that is away (every loop's)."""
+    return Backoff(RECONNECT_MIN, RECONNECT_MAX)
+
+
+async def wait_to_reconnect(
+    exc: Exception,
+    failures: int,
+    backoff: Backoff,
+    stopping: asyncio.Event,
+    log: logging.Logger,
+) -> None:
+    """After the `failures`-th outage in a row: log it and wait out its
+    backoff, or until `stopping` is set."""
+    delay = backoff.delay(failures)
+    log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
+    await sleep_unless(stopping, delay)
+
+
 async def until_available(
     attempt: Callable[[], Awaitable[object]],
     stopping: asyncio.Event,
@@ -59,7 +84,5 @@ async def until_available(
             return True
         except Unavailable as exc:
             failures += 1
-            delay = backoff.delay(failures)
-            log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-            await sleep_unless(stopping, delay)
+            await wait_to_reconnect(exc, failures, backoff, stopping, log)
     return False

@@ -191,7 +191,7 @@ def schema_sql() -> None:
 def outbox(once: bool, **kwargs: Any) -> None:
     """The outbox relay: publish committed outbox rows to the broker."""
     _setup_logs(kwargs)
-    from relay.outbox import serve_outbox
+    from relay.wiring import serve_outbox
 
     settings = _build(config.OutboxSettings, **_daemon_settings(kwargs))
     sys.exit(_run(serve_outbox(settings, once=once)))
@@ -219,7 +219,7 @@ def inbox(**kwargs: Any) -> None:
     """The inbox daemon: consume a queue into the inbox table and dispatch rows to handlers."""
     _setup_logs(kwargs)
     from relay.handlers import load
-    from relay.inbox import serve_inbox
+    from relay.wiring import serve_inbox
 
     kwargs["binds"] = tuple(kwargs["binds"])
     kwargs["queue_args"] = tuple(kwargs["queue_args"])

@@ -26,22 +26,12 @@ from typing import Any
 from relay import storable
 from relay.db import AsyncConnection, Store, retry_in
 from relay.db import dead as sql
-from relay.errors import RelayError
+from relay.errors import Ambiguous, DeadError, NotFound
 
 TABLES = ("outbox", "inbox")
 MAX_PAGE = 500
 
 
-class DeadError(RelayError):
-    """A request about dead rows that cannot be done as asked (bad input, no such row)."""
-
-
-class NotFound(DeadError):
-    """No dead row matches."""
-
-
-class Ambiguous(DeadError):
-    """An id matches dead rows in more than one table or consumer."""
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import relay
-from relay.backoff import Backoff
+from relay.backoff import Backoff, sleep_unless
 from relay.config import BrokerURL, InboxSettings, OutboxSettings, normalize_database_url
 from relay.db import Connection, Store, create_database_if_missing, named
 from relay.errors import ConfigError, Unavailable
 from relay.handlers import HandlerRegistry, Message
+from relay.lifecycle import Daemon, Service, Started, run_together
+from relay.wiring import inbox_service, outbox_service
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +113,6 @@ class _Counts:
     produced: int = 0
 
 
-async def _wait(event: asyncio.Event, timeout: float) -> None:
-    try:
-        await asyncio.wait_for(event.wait(), timeout)
-    except TimeoutError:
-        pass
-
-
 def _traceparent() -> str:
     return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
@@ -152,9 +147,9 @@ async def produce(store: Store, rate: float, topic: str, stop: asyncio.Event,
                 delay = reconnect.delay(failures)
                 log.warning("producer: %s; retrying in %.1fs", exc, delay,
                             extra={"action": "reconnect_wait"})
-                await _wait(stop, delay)
+                await sleep_unless(stop, delay)
                 continue
-        await _wait(stop, max(TICK, 1 / rate) if due < 1 else TICK)
+        await sleep_unless(stop, max(TICK, 1 / rate) if due < 1 else TICK)
 
 
 async def _totals(store: Store, since: Any, consumer: str | None) -> tuple[int, int, int, int]:
@@ -172,7 +167,7 @@ async def report(store: Store, since: Any, consumer: str | None, counts: _Counts
     began = last_time = time.monotonic()
     last: tuple[int, int, int] | None = None
     while not stop.is_set():
-        await _wait(stop, 1.0)
+        await sleep_unless(stop, 1.0)
         if stop.is_set():
             break
         now = time.monotonic()
@@ -221,10 +216,6 @@ async def prepare(database_url: str) -> list[str]:
 
 async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
     """`relay demo`: schema, producer, both daemons and the handler; returns the exit code."""
-    from relay.inbox import inbox_service
-    from relay.lifecycle import Daemon, Service, Started, run_together
-    from relay.outbox import outbox_service
-
     created = await create_database_if_missing(settings.database_url)
     if created:
         out.write(f"relay demo: created database {created!r}\n")
@@ -258,7 +249,7 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
 
         async def timer() -> None:
             if settings.duration:
-                await _wait(stop, settings.duration)
+                await sleep_unless(stop, settings.duration)
                 if not stop.is_set():
                     daemon.request_stop(f"--duration {settings.duration:g}s is over")
 

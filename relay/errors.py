@@ -1,4 +1,30 @@
-"""The errors relay raises, organised by what the caller should do about them."""
+"""The errors relay raises, organised by what the caller should do about them.
+
+    RelayError
+    ├── ConfigError          fix the configuration: the command exits 2, one line, no traceback
+    ├── SchemaError          fix or apply the schema: exits 2
+    │   └── SchemaNotReady   (also Unavailable) the tables are not there yet: wait for them
+    ├── Unavailable          a server is away: retry with backoff, never a failed attempt
+    │   ├── DatabaseUnavailable
+    │   └── BrokerUnavailable
+    ├── ContentError         a message relay cannot carry as given (also a ValueError):
+    │   │                    never retried as it is; dead, with the reason
+    │   ├── InvalidMessage   enqueue refuses it: the app's call raises
+    │   ├── BadMessage       an outbox row no broker can carry
+    │   ├── NotCarried       received content relay cannot keep as given
+    │   └── Refused          PostgreSQL refused a value of a received message
+    ├── RestartNeeded        only a fresh process mends it: the daemon exits 1 for its
+    │   │                    supervisor to restart it
+    │   ├── HandlerHung
+    │   └── ReceiverExited
+    └── DeadError            a request about dead rows that cannot be done as asked:
+        │                    `relay dead` exits 2, the console answers 400
+        ├── NotFound         no such dead row: `relay dead` exits 1, the console 404
+        └── Ambiguous        the id is dead in several places: name the table or consumer
+
+A wrong argument type (TypeError) or a broken invariant (AssertionError,
+RuntimeError) is a programming error and stays Python's own.
+"""
 
 from __future__ import annotations
 
@@ -31,5 +57,62 @@ class SchemaNotReady(SchemaError, Unavailable):
     """The tables are missing or older than this relay: waited for, not fatal."""
 
 
-class HandlerError(RelayError):
-    """Raised by the handler test helper when a handler run fails."""
+# -- a message's content -------------------------------------------------------
+
+
+class ContentError(RelayError, ValueError):
+    """A message whose content relay, the broker or PostgreSQL cannot take as
+    given: trying it again as it is cannot help, so it is dead with the reason
+    (an outbox row at once; a received message is kept as a dead row)."""
+
+
+class InvalidMessage(ContentError):
+    """A message relay.enqueue cannot write as given (a NUL character, JSON
+    nested too deep, a name over the broker's limit): nothing is written."""
+
+
+class BadMessage(ContentError):
+    """An outbox row no broker can carry; publishing it again cannot help."""
+
+
+class NotCarried(ContentError):
+    """Received content relay cannot keep as given (invalid UTF-8 or JSON, a
+    NUL character, JSON nested too deep): the row keeps it escaped, or dead."""
+
+
+class Refused(ContentError):
+    """PostgreSQL refused a value of the batch: a data exception (SQLSTATE
+    class 22: NUL characters, bad encodings, numbers out of range) or a
+    program limit (class 54: an index entry too big). The message's fault,
+    not the connection's."""
+
+
+# -- only a fresh process mends it ---------------------------------------------
+
+
+class RestartNeeded(RelayError):
+    """A part of the daemon is beyond repair in this process: the daemon
+    exits 1 so that its supervisor starts a fresh one."""
+
+
+class HandlerHung(RestartNeeded):
+    """A handler ran far past --handler-timeout and could not be interrupted."""
+
+
+class ReceiverExited(RestartNeeded):
+    """The receiver process ended without being asked to."""
+
+
+# -- the dead-message workflow -------------------------------------------------
+
+
+class DeadError(RelayError):
+    """A request about dead rows that cannot be done as asked (bad input, no such row)."""
+
+
+class NotFound(DeadError):
+    """No dead row matches."""
+
+
+class Ambiguous(DeadError):
+    """An id matches dead rows in more than one table or consumer."""

@@ -14,32 +14,26 @@ connection: a sync handler blocks only its dispatcher.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from relay import storable, tracing
-from relay.backoff import Backoff, sleep_unless, until_available
+from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
 from relay.config import InboxSettings
 from relay.db import Store, connection_invalidated
-from relay.errors import Unavailable
+from relay.errors import HandlerHung, Unavailable
 from relay.handlers import Handler, HandlerRegistry, Message, call_from_sync, is_async
 from relay.metrics import InboxMetrics
+from relay.pacing import Pace
 from relay.rows import Failure, InboxRow
-
-if TYPE_CHECKING:
-    from relay.lifecycle import Service
+from relay.workers import BLOCKED_RETRY, report_failure
 
 log = logging.getLogger(__name__)
 
-BLOCKED_RETRY = 0.005
-# How many batches per dispatcher the receiver may store ahead (Pace): the
-# batch in hand and the next, so that no dispatcher waits for the broker.
-PACE_BATCHES = 2
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
 # dispatcher waits on PostgreSQL much of its time, the others run.
@@ -53,72 +47,6 @@ CHECKPOINT_EVERY = 0.1
 ABORTED_BY_HANDLER = (
     "the handler returned, but left its transaction aborted by a failed "
     "statement (was a database error caught and not raised again?)")
-
-
-class HandlerHung(RuntimeError):
-    """A handler ran far past --handler-timeout and could not be interrupted."""
-
-
-class Pace:
-    """Keeps the receiver at most `limit` stored rows ahead of this daemon's dispatchers.
-
-    Storing a message costs less than handling it: a receiver left to run
-    ahead takes CPU the dispatchers need (a core, or the interpreter lock
-    when it runs in their process), only to move the backlog from the
-    broker (where other daemons could take it) into the table. Rows that
-    other daemons handle are not seen here, so once the last claim of every
-    dispatcher found less than a full batch of its share due, the lead is at
-    most what was stored since the earliest of those claims began."""
-
-    def __init__(self, limit: int, workers: int = 1) -> None:
-        self.limit = limit
-        self.lead = 0
-        self.stored_total = 0  # read by the dispatchers' threads before each claim
-        # Per dispatcher worker: stored_total when its last claim began, if
-        # that claim found its share of the keys caught up, else None.
-        self._caught_up_since: list[int | None] = [None] * workers
-        self.changed = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def stored(self, rows: int) -> None:
-        self.lead += rows
-        self.stored_total += rows
-
-    def dispatched(
-        self, worker: int, rows: int, caught_up: bool, stored_before_claim: int
-    ) -> None:
-        """Called from a dispatcher's thread after each batch."""
-        if self._loop is not None:
-            with contextlib.suppress(RuntimeError):  # the main loop is closed: exiting
-                self._loop.call_soon_threadsafe(
-                    self._dispatched, worker, rows, caught_up, stored_before_claim)
-
-    def _dispatched(
-        self, worker: int, rows: int, caught_up: bool, stored_before_claim: int
-    ) -> None:
-        self.lead = max(0, self.lead - rows)
-        self._caught_up_since[worker] = stored_before_claim if caught_up else None
-        since = [s for s in self._caught_up_since if s is not None]
-        if len(since) == len(self._caught_up_since):
-            # Every share was caught up: at most what was stored since the
-            # earliest of those claims began is still to handle.
-            self.lead = min(self.lead, self.stored_total - min(since))
-        self.changed.set()
-
-    def attach(self) -> None:
-        """Take the dispatchers' reports on the running loop (the daemon's);
-        until then they are dropped."""
-        self._loop = asyncio.get_running_loop()
-
-    async def wait(self, stopping: asyncio.Event) -> None:
-        """Return once the lead is under the limit (or when stopping)."""
-        self.attach()
-        while self.lead > self.limit and not stopping.is_set():
-            self.changed.clear()
-            await sleep_unless(self.changed, 1.0)
-
-    def release(self) -> None:
-        self.changed.set()
 
 
 class Dispatcher:
@@ -149,7 +77,7 @@ class Dispatcher:
         broker = settings.broker.kind if settings.broker is not None else ""
         self.messaging_system = tracing.SYSTEMS.get(broker, broker)
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
-        self.reconnect = Backoff(0.5, 30.0)
+        self.reconnect = reconnect_backoff()
         self.wakeup = asyncio.Event()
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
@@ -204,13 +132,10 @@ class Dispatcher:
     ) -> tuple[int, int]:
         self.metrics.processed.inc(len(processed))
         for row, failure, delay in failed:
-            dead = statuses.get(row.message_id) == "dead"
-            self.metrics.failed.inc()
-            if dead:
-                self.metrics.dead.inc()
-            log.warning(
-                "handler failed%s: %s", " (dead)" if dead else f" (retry in {delay:.1f}s)",
+            report_failure(
+                log, self.metrics, "handler",
                 failure.error.splitlines()[0] if failure.error else "",
+                dead=statuses.get(row.message_id) == "dead", delay=delay,
                 extra={"action": "handler_failed", "message_id": row.message_id,
                        "type": row.type, "topic": row.topic, "attempts": row.attempts + 1},
             )
@@ -365,9 +290,7 @@ class Dispatcher:
                 failures = 0
             except Unavailable as exc:
                 failures += 1
-                delay = self.reconnect.delay(failures)
-                log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-                await sleep_unless(self.stopping, delay)
+                await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
             except Exception as exc:
                 if not connection_invalidated(exc):
@@ -517,127 +440,3 @@ class DispatcherThread:
                 if status == "dead":
                     dispatcher.metrics.dead.inc()
             raise HandlerHung(error)
-
-
-def inbox_service(
-    settings: InboxSettings, registry: HandlerRegistry, *, receiver_process: bool = False
-) -> Service:
-    """The inbox's parts for a lifecycle Daemon: receiver and dispatchers, the
-    listener, the scheduled jobs, probes and metrics (not running yet).
-
-    With `receiver_process` the receiver runs in a child process of its own
-    (relay.receiving.ReceiverProcess); else on the daemon's event loop."""
-    from relay.db import NOTIFY_INBOX, Listener
-    from relay.lifecycle import STALL_AFTER, Service, Started, run_together
-    from relay.logs import with_log_context
-    from relay.maintenance import run_scheduler
-    from relay.receiving import LocalReceiver, ReceiverProcess
-
-    assert settings.broker is not None
-    tracing.setup("relay-inbox")
-    types = registry.types
-    # Log lines a handler emits carry the message's id, type and traceparent.
-    registry = with_log_context(registry)
-    metrics = InboxMetrics()
-    store = Store(settings.database_url, pool_size=2)
-    pace = Pace(PACE_BATCHES * DISPATCHERS * settings.batch_size, DISPATCHERS)
-
-    def wake_dispatcher() -> None:
-        # Once a dispatcher has stopped, its event loop is closed and there
-        # is nothing to wake; a batch stored while stopping still is.
-        for dispatcher in dispatchers:
-            with contextlib.suppress(RuntimeError):
-                dispatcher.wake()
-
-    def stored(received: int, new: int, dead: int) -> None:
-        """The receiver's report of one batch, stored and acknowledged."""
-        metrics.received.inc(received)
-        metrics.duplicates.inc(received - new)
-        metrics.dead.inc(dead)
-        if new:
-            pace.stored(new)
-            wake_dispatcher()
-
-    receiver = (ReceiverProcess if receiver_process else LocalReceiver)(settings, pace, stored)
-    # The dispatcher's batches run on psycopg's blocking connection unless a
-    # handler is async (see Dispatcher.dispatch_batch).
-    all_sync = not any(is_async(registry.get(t)) for t in types)
-    def make_dispatcher(worker: int) -> DispatcherThread:
-        return DispatcherThread(
-            lambda: (
-                dispatch_store := Store(settings.database_url, pool_size=2, sync=all_sync),
-                Dispatcher(settings, dispatch_store, registry, metrics,
-                           pace=pace, worker=worker, workers=DISPATCHERS),
-            )
-        )
-
-    dispatchers = [make_dispatcher(worker) for worker in range(DISPATCHERS)]
-    if not types:
-        log.warning("no handlers registered: every message will be stored as dead "
-                    "(give --handlers or install a package with relay.handlers entry points)")
-
-    async def main(started: Started) -> None:
-        if not await until_available(store.check_schema, receiver.stopping,
-                                     Backoff(0.5, 30.0), log):
-            return
-        if not await receiver.start():
-            return
-        started()
-        log.info(
-            "inbox started: queue %r, consumer %r, handlers for %s",
-            settings.queue, settings.consumer_name, ", ".join(types) or "no types",
-            extra={"action": "started"},
-        )
-        pace.attach()  # before any dispatcher can report a batch
-        await run_together(receiver.run(), *(dispatcher.run() for dispatcher in dispatchers))
-
-    def stop() -> None:
-        receiver.stop()
-        for dispatcher in dispatchers:
-            dispatcher.stop()
-
-    async def ready() -> bool:
-        await store.ping()
-        return receiver.connected
-
-    def progress() -> float:
-        # A batch of slow handlers is progress too: each finished handler run
-        # counts. A receiver process that stopped saying it is alive is not.
-        batches = [d.dispatcher.last_progress for d in dispatchers if d.dispatcher is not None]
-        handled = max([*batches, 0.0, metrics.handler_seconds.last_observed])
-        return min(handled, receiver.last_alive)
-
-    listener = Listener.for_store(store, NOTIFY_INBOX, wake_dispatcher, settings.listen_url)
-    return Service(
-        name="inbox",
-        main=main,
-        stop=stop,
-        background={
-            "listener": lambda stop: listener.run(),
-            "scheduler": lambda stop: run_scheduler(
-                store, "inbox", settings.retention, metrics, stop
-            ),
-        },
-        ready=ready,
-        metrics=metrics.render,
-        progress=progress,
-        # Above the dispatcher's own hung-handler detection (HUNG_AFTER).
-        stall_after=max(STALL_AFTER, (HUNG_AFTER + 1) * settings.handler_timeout)
-        + settings.poll_interval,
-        on_stop=[receiver.close, store.close, tracing.flush],
-    )
-
-
-async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int:
-    """`relay inbox`: receiver process, dispatchers, listener, jobs and probes;
-    returns the exit code."""
-    from relay.lifecycle import Daemon
-
-    daemon = Daemon(
-        name="inbox",
-        services=[inbox_service(settings, registry, receiver_process=True)],
-        shutdown_timeout=settings.shutdown_timeout,
-        http_port=settings.http_port,
-        own_process=True,
-    )
-    return await daemon.run()

@@ -11,21 +11,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from relay import tracing
-from relay.backoff import Backoff
+from relay.backoff import (
+    Backoff,
+    reconnect_backoff,
+    sleep_unless,
+    until_available,
+    wait_to_reconnect,
+)
 from relay.brokers import Outcome, Publisher
 from relay.config import OutboxSettings
 from relay.db import OutboxSession, Store
 from relay.errors import BrokerUnavailable, Unavailable
 from relay.metrics import OutboxMetrics
 from relay.rows import Failure, OutboxRow
-
-if TYPE_CHECKING:
-    from relay.lifecycle import Service
+from relay.workers import BLOCKED_RETRY, report_failure
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +39,6 @@ log = logging.getLogger(__name__)
 # measurements are in docs/outbox.md). Each adds a connection and one batch
 # to what a crash can publish twice.
 WORKERS = 4
-# How long a worker waits when every row it locked waits on another worker.
-BLOCKED_RETRY = 0.005
 # Unroutable messages are logged once per topic per this many seconds.
 UNROUTABLE_LOG_INTERVAL = 60.0
 
@@ -56,7 +58,7 @@ class OutboxRelay:
         self.publisher = publisher
         self.metrics = metrics or OutboxMetrics()
         self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
-        self.reconnect = Backoff(0.5, 30.0)
+        self.reconnect = reconnect_backoff()
         self._wakeups: dict[int, asyncio.Event] = {}  # by worker
         self._idle: set[int] = set()  # workers waiting for a notification
         self._scouts: set[int] = set()  # woken to claim every key's rows
@@ -139,14 +141,9 @@ class OutboxRelay:
             raise
         self.metrics.published.inc(len(published))
         for row, failure, delay in failed:
-            dead = statuses.get(row.id) == "dead"
-            self.metrics.failed.inc()
-            if dead:
-                self.metrics.dead.inc()
-            log.warning(
-                "publish failed%s: %s",
-                " (dead)" if dead else f" (retry in {delay:.1f}s)",
-                failure.error,
+            report_failure(
+                log, self.metrics, "publish", failure.error,
+                dead=statuses.get(row.id) == "dead", delay=delay,
                 extra={"action": "publish_failed", "message_id": row.id,
                        "topic": row.topic, "attempts": row.attempts + 1},
             )
@@ -192,7 +189,7 @@ class OutboxRelay:
 
     async def run(self, *, once: bool = False) -> None:
         """Run the workers until stop() (or, with once, until nothing is due)."""
-        await self._ready()
+        await self.wait_ready()
         workers = [asyncio.create_task(self._worker(i, once)) for i in range(WORKERS)]
         try:
             await asyncio.gather(*workers)
@@ -201,17 +198,13 @@ class OutboxRelay:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
 
-    async def _ready(self) -> None:
+    async def wait_ready(self) -> None:
         """Wait until the schema is there and the broker answers."""
-        failures = 0
-        while not self.stopping.is_set():
-            try:
-                await self.store.check_schema()
-                await self.publisher.connect()
-                return
-            except Unavailable as exc:
-                failures += 1
-                await self._pause(exc, failures)
+        await until_available(self._connect, self.stopping, self.reconnect, log)
+
+    async def _connect(self) -> None:
+        await self.store.check_schema()
+        await self.publisher.connect()
 
     async def _worker(self, worker: int, once: bool) -> None:
         wakeup = self._wakeups[worker] = asyncio.Event()
@@ -232,7 +225,7 @@ class OutboxRelay:
                 failures = 0
             except Unavailable as exc:
                 failures += 1
-                await self._pause(exc, failures)
+                await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
             self.last_progress = time.monotonic()
             self._scouts.discard(worker)
@@ -258,7 +251,7 @@ class OutboxRelay:
             # committed since have notified (and set wakeup).
             self._idle.add(worker)
             try:
-                await self._wait(wakeup, self.settings.poll_interval)
+                await sleep_unless(wakeup, self.settings.poll_interval)
             finally:
                 self._idle.discard(worker)
 
@@ -270,100 +263,3 @@ class OutboxRelay:
         finally:
             waiter.cancel()
             stop.cancel()
-
-    async def _wait(self, event: asyncio.Event, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
-
-    async def _pause(self, exc: Exception, failures: int) -> None:
-        delay = self.reconnect.delay(failures)
-        log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
-        await self._wait(self.stopping, delay)
-
-
-def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
-    """The outbox relay's parts for a lifecycle Daemon: the main loop, the
-    listener, the scheduled jobs, probes and metrics (not running yet)."""
-    from relay.brokers import make_publisher
-    from relay.db import NOTIFY_OUTBOX, Listener
-    from relay.lifecycle import STALL_AFTER, Service, Started
-    from relay.maintenance import run_scheduler
-
-    broker = settings.broker
-    assert broker is not None
-    tracing.setup("relay-outbox")
-    store = Store(settings.database_url, pool_size=2)
-    publisher = make_publisher(broker, exchange=settings.exchange,
-                               on_unroutable=settings.on_unroutable)
-    relay = OutboxRelay(settings, store, publisher)
-    probe_lock = asyncio.Lock()
-
-    async def main(started: Started) -> None:
-        await relay._ready()
-        if relay.stopping.is_set():
-            return
-        started()
-        log.info(
-            "outbox relay started%s", " (--once)" if once else "", extra={"action": "started"}
-        )
-        await relay.run(once=once)
-
-    async def broker_answers() -> bool:
-        # An idle relay reconnects only when it has rows to publish, so after
-        # a broker outage its own connection stays down until the next row:
-        # ask the broker with a connection of the probe's own.
-        async with probe_lock:
-            if publisher.connected:
-                return True
-            probe = make_publisher(broker, exchange=settings.exchange)
-            try:
-                await probe.connect()
-                return True
-            except Unavailable:
-                return False
-            finally:
-                await probe.close()
-
-    async def ready() -> bool:
-        await store.ping()
-        return publisher.connected or await broker_answers()
-
-    background = {}
-    if not once:
-        listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
-        background = {
-            "listener": lambda stop: listener.run(),
-            "scheduler": lambda stop: run_scheduler(
-                store, "outbox", settings.retention, relay.metrics, stop
-            ),
-        }
-    return Service(
-        name="outbox",
-        main=main,
-        stop=relay.stop,
-        background=background,
-        ready=ready,
-        unready=lambda: (f"the broker blocks publishing ({publisher.blocked}): "
-                         "a RabbitMQ resource alarm" if publisher.blocked is not None else None),
-        metrics=relay.metrics.render,
-        # Waiting out a broker's resource alarm is not a stall.
-        progress=lambda: time.monotonic() if publisher.blocked else relay.last_progress,
-        stall_after=STALL_AFTER + settings.poll_interval,
-        on_stop=[publisher.close, relay.close, store.close, tracing.flush],
-    )
-
-
-async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
-    """`relay outbox`: run the relay with its listener, jobs and probes; returns the exit code."""
-    from relay.lifecycle import Daemon
-
-    daemon = Daemon(
-        name="outbox",
-        services=[outbox_service(settings, once=once)],
-        shutdown_timeout=settings.shutdown_timeout,
-        http_port=settings.http_port,
-        own_process=True,
-    )
-    return await daemon.run()

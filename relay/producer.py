@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from relay import tracing
 from relay.db.schema import outbox
+from relay.errors import InvalidMessage
 from relay.limits import (
     MAX_JSON_DEPTH,
     MAX_KEY_BYTES,
@@ -39,9 +40,9 @@ def _insert(
     available_at: datetime | None,
 ) -> tuple[uuid.UUID, sa.Insert]:
     if not isinstance(topic, str) or not topic:
-        raise ValueError("topic must be a non-empty string")
+        raise InvalidMessage("topic must be a non-empty string")
     if payload is None:
-        raise ValueError("payload must not be None (use {} for an empty message)")
+        raise InvalidMessage("payload must not be None (use {} for an empty message)")
     if key is not None and not isinstance(key, str):
         raise TypeError(f"key must be a string, not {_builtin_type(key).__name__}")
     if type is not None and not isinstance(type, str):
@@ -83,23 +84,23 @@ def _is_django(conn: Any) -> bool:
 def _check_carried(
     topic: str, payload: Any, key: str | None, type: str | None, headers: Mapping[str, str]
 ) -> None:
-    """ValueError for what relay could store but not carry (relay.limits)."""
+    """InvalidMessage for what relay could store but not carry (relay.limits)."""
     texts = [("topic", topic), ("key", key), ("type", type)]
     texts += [(f"header name {n!r}", n) for n in headers]
     texts += [(f"header {n!r}", v) for n, v in headers.items()]
     for what, text in texts:
         if text is not None and (why := problem(text)):
-            raise ValueError(f"{what} {why}: PostgreSQL's text cannot hold it")
+            raise InvalidMessage(f"{what} {why}: PostgreSQL's text cannot hold it")
     for what, text in [("topic", topic), ("type", type), *texts[3:3 + len(headers)]]:
         if text is not None and utf8_length(text) > MAX_SHORTSTR_BYTES:
-            raise ValueError(f"{what} is longer than {MAX_SHORTSTR_BYTES} bytes, the AMQP "
+            raise InvalidMessage(f"{what} is longer than {MAX_SHORTSTR_BYTES} bytes, the AMQP "
                              "limit for a routing key, a type or a header name")
     if key is not None and utf8_length(key) > MAX_KEY_BYTES:
-        raise ValueError(f"key is longer than {MAX_KEY_BYTES} bytes, relay's limit for an "
+        raise InvalidMessage(f"key is longer than {MAX_KEY_BYTES} bytes, relay's limit for an "
                          "ordering key (it is indexed)")
     depth = value_depth(payload)
     if depth > MAX_JSON_DEPTH:
-        raise ValueError(f"payload is nested more than {MAX_JSON_DEPTH} levels deep, "
+        raise InvalidMessage(f"payload is nested more than {MAX_JSON_DEPTH} levels deep, "
                          "relay's limit for JSON")
     _check_json_values(payload)
 
@@ -112,14 +113,14 @@ def _check_json_values(payload: Any) -> None:
         item = stack.pop()
         if isinstance(item, str):
             if why := problem(item):
-                raise ValueError(f"a string in the payload {why}: jsonb cannot hold it")
+                raise InvalidMessage(f"a string in the payload {why}: jsonb cannot hold it")
         elif isinstance(item, float):
             if not math.isfinite(item):
-                raise ValueError(f"the payload holds {item!r}, which JSON cannot carry")
+                raise InvalidMessage(f"the payload holds {item!r}, which JSON cannot carry")
         elif isinstance(item, dict):
             for name, value in item.items():
                 if isinstance(name, str) and (why := problem(name)):
-                    raise ValueError(f"a key in the payload {why}: jsonb cannot hold it")
+                    raise InvalidMessage(f"a key in the payload {why}: jsonb cannot hold it")
                 stack.append(value)
         elif isinstance(item, (list, tuple)):
             stack.extend(item)

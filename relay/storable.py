@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from relay.brokers import Incoming
+from relay.errors import ContentError, NotCarried
 from relay.limits import (
     MAX_ID_BYTES,
     MAX_JSON_DEPTH,
@@ -48,10 +49,6 @@ _NUL_ESCAPE_TEXT = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 # orjson reads integers over 64 bits as floats; such payloads go through the
 # json module, which keeps them exact.
 _LONG_DIGITS = re.compile(r"[0-9]{19,}")
-
-
-class NotCarried(ValueError):
-    """A JSON text relay cannot carry as given (the reason is the message)."""
 
 
 # --------------------------------------------------------------------------
@@ -138,8 +135,8 @@ def json_body(body: bytes) -> tuple[str | None, str | None]:
 # --------------------------------------------------------------------------
 
 
-class _Unstorable(Exception):
-    pass
+class _Unstorable(ContentError):
+    """A header value no JSON text can hold (caught here, never raised out)."""
 
 
 def _header_default(value: Any) -> Any:

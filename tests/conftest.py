@@ -329,7 +329,7 @@ def run_relay(relay_env: dict[str, str]) -> Callable[..., subprocess.CompletedPr
 
 
 def receiver_processes(parent: int) -> list[int]:
-    """The live receiver processes (`python -m relay.receiving`) of a `relay inbox`."""
+    """The live receiver processes (`python -m relay.receiver_process`) of a `relay inbox`."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -339,7 +339,7 @@ def receiver_processes(parent: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == parent and stat[0] != "Z" and b"relay.receiving" in cmdline:
+        if int(stat[1]) == parent and stat[0] != "Z" and b"relay.receiver_process" in cmdline:
             found.append(int(entry.name))
     return found
 

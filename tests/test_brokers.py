@@ -454,7 +454,7 @@ async def test_partial_batch_failure_marks_only_the_failed_row(
     dest = await broker.destination(topic)
     settings = OutboxSettings(database_url=database, broker=BrokerURL.parse(broker.url),
                               exchange=broker.exchange, backoff_min=30, backoff_max=60)
-    publisher = make_publisher(settings.broker, exchange=settings.exchange)
+    publisher = make_publisher(settings.broker, exchange=settings.exchange, workers=WORKERS)
     bad_topic = await broker.fail_one_entry(publisher, topic, '"spoil":true')
     with engine.begin() as conn:
         ok_1 = relay.enqueue(conn, topic, {"n": 1})
@@ -796,4 +796,5 @@ def test_sqs_received_attributes_map_to_the_inbox_fields():
 
 
 def test_sqs_publisher_is_not_connected_before_it_connects():
-    assert not make_publisher(BrokerURL.parse("sqs://"), exchange="relay").connected
+    assert not make_publisher(BrokerURL.parse("sqs://"), exchange="relay",
+                              workers=WORKERS).connected

@@ -177,12 +177,12 @@ def test_only_relay_db_imports_sqlalchemy_and_psycopg():
 
 
 def test_receiver_process_loads_no_sqlalchemy(database):
-    """The receiver's child process (python -m relay.receiving) writes through
+    """The receiver's child process (python -m relay.receiver_process) writes through
     plain psycopg: importing what it runs, and inserting a batch, loads no
     SQLAlchemy."""
     script = f"""
 import asyncio, sys
-import relay.receiving, relay.brokers.amqp, relay.brokers.sqs
+import relay.receiver_process, relay.receiving, relay.brokers.amqp, relay.brokers.sqs
 from relay.db.writer import InboxWriter
 from relay.rows import NewInboxRow
 

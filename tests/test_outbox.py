@@ -134,7 +134,7 @@ class QuietRelay:
         config = OutboxSettings(database_url=database, broker=BrokerURL.parse(AMQP_URL),
                                 exchange=exchange, poll_interval=60, **settings)
         self.store = Store(database)
-        self.publisher = make_publisher(config.broker, exchange=exchange)
+        self.publisher = make_publisher(config.broker, exchange=exchange, workers=WORKERS)
         self.relay = OutboxRelay(config, self.store, self.publisher)
         self.listener = Listener(self.store.conninfo, NOTIFY_OUTBOX, self.relay.wake)
         self.tasks: list[asyncio.Task[None]] = []

@@ -126,9 +126,8 @@ async def test_one_trace_runs_from_the_producers_request_to_the_handlers_sql(
     import relay
     from relay import tracing
     from relay.config import BrokerURL, InboxSettings, OutboxSettings
-    from relay.inbox import inbox_service
     from relay.lifecycle import EXIT_OK, Daemon
-    from relay.outbox import outbox_service
+    from relay.wiring import inbox_service, outbox_service
     from tests.conftest import AMQP_URL
 
     exporter = InMemorySpanExporter()

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from relay.config import BrokerURL
+from relay.errors import BadMessage
 from relay.limits import MAX_JSON_DEPTH, json_depth
 from relay.rows import Failure, OutboxRow
 
@@ -94,10 +95,6 @@ class Consumer(Protocol):
     async def close(self) -> None: ...
 
 
-class BadMessage(ValueError):
-    """An outbox row no broker can carry; publishing it again cannot help."""
-
-
 def row_headers(row: OutboxRow) -> dict[str, str]:
     """The row's headers as a str→str dict, or BadMessage saying what is wrong."""
     try:
@@ -154,8 +151,9 @@ def check_topic(row: OutboxRow) -> None:
 
 
 def make_publisher(
-    broker: BrokerURL, *, exchange: str, on_unroutable: str = "publish"
+    broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str = "publish"
 ) -> Publisher:
+    """The publisher for `broker`, shared by `workers` outbox workers."""
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpPublisher
 
@@ -163,7 +161,7 @@ def make_publisher(
                              on_unroutable=on_unroutable)
     from relay.brokers.sqs import SqsPublisher
 
-    return SqsPublisher(broker)
+    return SqsPublisher(broker, workers=workers)
 
 
 def make_consumer(

@@ -324,11 +324,9 @@ def entry_failure(failed: dict[str, Any]) -> Failure:
 class SqsPublisher(_Adapter):
     """Publishes outbox rows to SQS queues named by their topic, with SendMessageBatch."""
 
-    def __init__(self, broker: BrokerURL) -> None:
-        from relay.outbox import WORKERS
-
+    def __init__(self, broker: BrokerURL, *, workers: int) -> None:
         # The outbox workers share the publisher, each with LANES calls in flight.
-        super().__init__(broker, pool=WORKERS * LANES)
+        super().__init__(broker, pool=workers * LANES)
         self._queues: dict[str, _Queue] = {}
 
     @property

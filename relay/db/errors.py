@@ -19,16 +19,15 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 
-from relay.errors import DatabaseUnavailable
+from relay.errors import DatabaseUnavailable, Refused
 
 Predicate = Callable[[BaseException], bool]
 
-
-class Refused(Exception):
-    """PostgreSQL refused a value of the batch: a data exception (SQLSTATE
-    class 22: NUL characters, bad encodings, numbers out of range) or a
-    program limit (class 54: an index entry too big). The message's fault,
-    not the connection's."""
+__all__ = [
+    "Refused", "any_driver_error", "connection_invalidated", "describe", "failed_command",
+    "is_disconnect", "is_driver_error", "refused_by_content", "statement_gone",
+    "translate_errors", "unavailable",
+]
 
 
 def _sqlalchemy(exc: BaseException, name: str) -> bool:

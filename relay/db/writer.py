@@ -1,6 +1,6 @@
 """The inbox receiver's writer: one INSERT per received batch, through psycopg.
 
-It runs in the receiver's child process (relay.receiving), which loads no
+It runs in the receiver's child process (relay.receiver_process), which loads no
 SQLAlchemy: this module, relay.db.sql, relay.db.connect and relay.db.errors
 import none either (tests/test_db.py checks).
 """

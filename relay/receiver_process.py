@@ -1,0 +1,350 @@
+"""The inbox's receiver as a process: started, fed and watched by the daemon.
+
+`relay inbox` runs its Receiver (relay.receiving) in a child process of
+its own (`python -m relay.receiver_process`, started and watched by
+ReceiverProcess). Receiving is Python work on every message, and on the
+interpreter lock of the dispatchers it delayed each of their round trips
+to PostgreSQL (the measurements are in docs/inbox.md). `relay demo`, one
+process by contract, runs it on its own event loop (LocalReceiver).
+Either way nothing here loads SQLAlchemy or handler code, so the child
+stays small.
+
+The parent and the child talk over a socket pair, in length-prefixed
+pickles (both ends are this module, in one process tree):
+
+    parent → child   Start (settings, pace limit, logging), Lead (relay.pacing), Stop
+    child → parent   Alive (connected), Stored (received, new, dead), ConfigProblem (text)
+
+The child exits with its parent: PR_SET_PDEATHSIG on Linux, and an end of
+file on the socket anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from relay import logs
+from relay.backoff import until_available
+from relay.brokers import make_consumer
+from relay.config import InboxSettings
+from relay.db.writer import InboxWriter
+from relay.errors import ConfigError, ReceiverExited
+from relay.pacing import Gate, Lead, LeadGate, Pace
+from relay.receiving import Receiver, Report
+
+log = logging.getLogger("relay.inbox")
+
+# The child says it is alive (and whether it is connected) this often; a
+# child silent for STALL_AFTER (relay.lifecycle) makes the daemon unhealthy.
+ALIVE_INTERVAL = 1.0
+
+
+class LocalReceiver:
+    """A Receiver on the running event loop, with its consumer and writer."""
+
+    def __init__(self, settings: InboxSettings, pace: Gate, report: Report) -> None:
+        assert settings.broker is not None
+        self.consumer = make_consumer(
+            settings.broker, queue=settings.queue, exchange=settings.exchange,
+            binds=settings.binds, prefetch=settings.prefetch,
+            queue_type=settings.queue_type, queue_args=settings.queue_args,
+        )
+        self.writer = InboxWriter(settings.database_url)
+        self.receiver = Receiver(settings, self.writer, self.consumer, pace, report)
+        self.stopping = self.receiver.stopping
+
+    @property
+    def connected(self) -> bool:
+        return self.consumer.connected
+
+    @property
+    def last_alive(self) -> float:
+        """It runs on the daemon's own loop, which answers the probes: alive."""
+        return time.monotonic()
+
+    async def start(self) -> bool:
+        """Connect to the broker (waiting out outages); False if stopped first."""
+        return await until_available(
+            self.consumer.connect, self.stopping, self.receiver.reconnect, log)
+
+    async def run(self) -> None:
+        await self.receiver.run()
+
+    def stop(self) -> None:
+        self.receiver.stop()
+
+    async def close(self) -> None:
+        await self.consumer.close()
+        await self.writer.close()
+
+
+# --------------------------------------------------------------------------
+# The receiver in a process of its own
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Start:
+    """The parent's first message: what to receive, the pace, the logging."""
+
+    settings: InboxSettings
+    limit: int  # the Pace's limit (rows stored ahead of the dispatchers)
+    logging: tuple[str, str, tuple[str, ...]]  # relay.logs.configuration()
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop taking messages, store what is in hand, and exit 0."""
+
+
+@dataclass(frozen=True)
+class Alive:
+    """The child is alive (every ALIVE_INTERVAL) and connected to the broker, or not."""
+
+    connected: bool
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One batch stored and acknowledged (the Receiver's Report)."""
+
+    received: int
+    new: int
+    dead: int
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """The child met a ConfigError (the parent raises it): the daemon exits 2."""
+
+    text: str
+
+
+ToChild = Start | Lead | Stop
+ToParent = Alive | Stored | ConfigProblem
+
+
+def _send(writer: asyncio.StreamWriter, message: ToChild | ToParent) -> None:
+    if writer.is_closing():  # the other end has gone: nobody to tell
+        return
+    data = pickle.dumps(message)
+    writer.write(len(data).to_bytes(4, "big") + data)
+
+
+async def _receive(reader: asyncio.StreamReader) -> ToChild | ToParent | None:
+    """The next message, or None when the other end has gone."""
+    try:
+        head = await reader.readexactly(4)
+        return pickle.loads(await reader.readexactly(int.from_bytes(head, "big")))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+class ReceiverProcess:
+    """`relay inbox`'s receiver in a child process: same face as LocalReceiver.
+
+    The child stores batches and reports each one; here the report feeds the
+    metrics, the Pace and the dispatchers' wake-up, as a LocalReceiver's
+    would, and the Pace's lead goes back to the child after every change."""
+
+    def __init__(self, settings: InboxSettings, pace: Pace, report: Report) -> None:
+        self.settings = settings
+        self.pace = pace
+        self.report = report
+        self.stopping = asyncio.Event()
+        self.connected = False
+        self.last_alive = time.monotonic()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def start(self) -> bool:
+        """Start the child and wait until it is connected to the broker (it
+        waits out outages itself); False if stopped first. A ConfigError the
+        child met is raised here."""
+        # -P, and the package's own directory first on the path: the working
+        # directory must not shadow the relay package.
+        package_root = str(Path(__file__).resolve().parent.parent)  # noqa: ASYNC240 - once
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        ours, theirs = socket.socketpair()
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-P", "-m", "relay.receiver_process",
+                str(theirs.fileno()), str(os.getpid()),
+                pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._reader, self._writer = await asyncio.open_connection(sock=ours)
+        _send(self._writer, Start(self.settings, self.pace.limit,
+                                  logs.configuration() or ("INFO", "text", ())))
+        if self.stopping.is_set():
+            _send(self._writer, Stop())
+        log.debug("receiver process %d started", self._proc.pid)
+        while not self.connected:
+            if not await self._next():
+                await self._ended()
+                return False
+        return True
+
+    async def _next(self) -> bool:
+        """Handle the child's next message; False once it has gone."""
+        assert self._reader is not None
+        message = await _receive(self._reader)
+        if message is None:
+            return False
+        self.last_alive = time.monotonic()
+        if isinstance(message, Alive):
+            self.connected = message.connected
+        elif isinstance(message, Stored):
+            self.report(message.received, message.new, message.dead)
+        elif isinstance(message, ConfigProblem):
+            raise ConfigError(message.text)
+        return True
+
+    async def _ended(self) -> None:
+        """The child has gone: fine if asked to stop, else ReceiverExited."""
+        assert self._proc is not None
+        code = await self._proc.wait()
+        self.connected = False
+        if code == 0 and self.stopping.is_set():
+            return
+        raise ReceiverExited(f"the receiver process exited with status {code}")
+
+    async def run(self) -> None:
+        """Carry the child's reports until it exits (after stop(), with 0)."""
+        leads = asyncio.ensure_future(self._send_leads())
+        try:
+            while await self._next():
+                pass
+            await self._ended()
+        finally:
+            leads.cancel()
+            await asyncio.gather(leads, return_exceptions=True)
+
+    async def _send_leads(self) -> None:
+        while True:
+            lead = await self.pace.next_lead()
+            if self._writer is not None:
+                _send(self._writer, lead)
+
+    def stop(self) -> None:
+        """Ask the child to stop taking messages, store what it holds, and exit."""
+        self.stopping.set()
+        if self._writer is not None:
+            _send(self._writer, Stop())
+
+    async def close(self) -> None:
+        """Make sure the child is gone (killed if it outlived the shutdown)."""
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the parent ends, however it ends (Linux); the socket's
+    end of file covers the rest."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it ended before prctl
+        os._exit(1)
+
+
+async def _child(fd: int) -> int:
+    reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
+    start = await _receive(reader)
+    if not isinstance(start, Start):  # the parent has gone
+        return 0
+    logs.setup(*start.logging)
+    gate = LeadGate(start.limit)
+
+    def report(received: int, new: int, dead: int) -> None:
+        gate.stored(new)
+        _send(writer, Stored(received, new, dead))
+
+    try:
+        await _receive_until_stopped(
+            LocalReceiver(start.settings, gate, report), reader, writer, gate)
+        return 0
+    except ConfigError as exc:
+        _send(writer, ConfigProblem(str(exc)))
+        return 2
+    finally:
+        with contextlib.suppress(Exception):
+            await writer.drain()
+            writer.close()
+
+
+async def _receive_until_stopped(
+    local: LocalReceiver, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    gate: LeadGate,
+) -> None:
+    async def listen() -> None:
+        while (message := await _receive(reader)) is not None:
+            if isinstance(message, Lead):
+                gate.update(message)
+            elif isinstance(message, Stop):
+                break
+        local.stop()  # asked to, or the parent has gone
+
+    async def alive() -> None:
+        while True:
+            _send(writer, Alive(local.connected))
+            await asyncio.sleep(ALIVE_INTERVAL)
+
+    helpers = [asyncio.ensure_future(listen()), asyncio.ensure_future(alive())]
+    try:
+        if await local.start():
+            _send(writer, Alive(True))
+            await local.run()
+    finally:
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        await local.close()
+
+
+def main() -> None:
+    """`python -m relay.receiver_process FD PARENT_PID`: run by ReceiverProcess only."""
+    fd, parent = int(sys.argv[1]), int(sys.argv[2])
+    _die_with_parent(parent)
+    # The parent handles SIGTERM and SIGINT (a terminal's Ctrl-C reaches the
+    # whole process group) and tells this process when to stop.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        code = asyncio.run(_child(fd))
+    except Exception:
+        log.exception("the receiver process crashed")
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    # Run by `python -m`, this file is the module __main__; the messages must
+    # travel as relay.receiver_process's classes, which the parent unpickles
+    # (and which the messages it sends are), so run that module's main.
+    import relay.receiver_process  # noqa: PLW0406 - the module, not __main__
+
+    relay.receiver_process.main()
