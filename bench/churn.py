@@ -4,7 +4,7 @@
                                     [--keys K] [--explain-every N] [--keep]
 
 Makes a database (`relay schema apply`), preloads N pending rows (K keys),
-then runs the claim and mark of relay.store in a loop, as one worker with
+then runs the claim and mark of relay.db in a loop, as one worker with
 every key, until nothing is left, and prints, per tenth of the rows, the
 rate, the shared buffers the claim touched (EXPLAIN (ANALYZE, BUFFERS) of
 one claim at that point) and the table's dead row versions
@@ -24,7 +24,8 @@ from typing import Any
 import psycopg
 
 from bench.common import PAYLOAD_SQL, admin, connect, db_url, relay_command, relay_env
-from relay import store as relay_store
+from relay.db import session as relay_session
+from relay.db import sql as relay_sql
 
 INSERT_INBOX = (
     "INSERT INTO inbox (consumer, message_id, topic, key, type, payload) "
@@ -45,15 +46,11 @@ STATS = (
 
 def claim_sql(table: str) -> tuple[str, str]:
     """The claim and the mark, as the daemons run them, with %-style parameters."""
+    claim = relay_sql.pyformat(relay_sql.claim(table, "skip"))
     if table == "outbox":
-        claim = relay_store._CLAIM_OUTBOX.format(dead="").replace("%", "%%")
-        claim = claim.replace("$1", "%(limit)s").replace("$2", "%(worker)s").replace(
-            "$3", "%(workers)s")
-        mark = relay_store.MARK_PUBLISHED.replace("$1", "%(ids)s::uuid[]")
+        mark = relay_session.MARK_PUBLISHED.replace("$1", "%(ids)s::uuid[]")
     else:
-        claim = relay_store._CLAIM_INBOX.format(dead="").replace("%", "%%")
-        claim = re.sub(r"(?<!:):(\w+)", r"%(\1)s", claim)
-        mark = re.sub(r"(?<!:):(\w+)", r"%(\1)s", str(relay_store.MARK_PROCESSED))
+        mark = relay_sql.pyformat(relay_sql.query("inbox_mark_processed"))
     return claim, mark
 
 
@@ -115,7 +112,7 @@ async def run(args: argparse.Namespace) -> None:
     try:
         await setup(url, args.table, args.messages, args.keys)
         claim, mark = claim_sql(args.table)
-        options = " ".join(["-c jit=off", *relay_store.OUTBOX_SESSION_OPTIONS])
+        options = " ".join(["-c jit=off", *relay_session.OUTBOX_SESSION_OPTIONS])
         conn = await psycopg.AsyncConnection.connect(url, options=options)
         stats_conn = await connect(url, autocommit=True)
         params: dict[str, Any] = {"limit": args.batch, "worker": 0, "workers": args.workers,

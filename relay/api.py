@@ -5,17 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from relay import schema
-from relay.store import Store, translate_errors
+from relay.db import Store
 
 
 async def apply_schema(database_url: str) -> list[str]:
     """Create or upgrade the tables; returns the names of the files applied."""
     store = Store(database_url, pool_size=1)
     try:
-        with translate_errors():
-            async with store.engine.begin() as conn:
-                return await conn.run_sync(schema.apply)
+        return await store.apply_schema()
     finally:
         await store.close()
 

@@ -173,7 +173,7 @@ def schema_apply(**kwargs: Any) -> None:
 @schema.command("sql")
 def schema_sql() -> None:
     """Print the DDL that `relay schema apply` runs (needs no database)."""
-    from relay import schema as schema_module
+    from relay.db import schema as schema_module
 
     click.echo(schema_module.sql_script(), nl=False)
 

@@ -23,32 +23,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from relay import storable
+from relay.db import AsyncConnection, Store, retry_in
+from relay.db import dead as sql
 from relay.errors import Ambiguous, DeadError, NotFound
-from relay.store import NOTIFY, RETRY, Store, translate_errors
 
 TABLES = ("outbox", "inbox")
 MAX_PAGE = 500
 
 
-# The error group of a row: the exception's type and first line. A handler's
-# last_error is a Python traceback, whose summary is its last line
-# ("ValueError: boom"; of a chain, the last exception's); any other text is
-# grouped by its first line. String functions, not a regular expression:
-# a page groups thousands of rows.
-ERROR_LINE = r"""(CASE WHEN {t}.last_error LIKE 'Traceback (most recent call last):%'
-  THEN reverse(split_part(reverse(rtrim({t}.last_error, E' \n')), E'\n', 1))
-  ELSE split_part(coalesce({t}.last_error, ''), E'\n', 1) END)"""
-
-# Per table: the id, the consumer (NULL for the outbox) and the time the row
-# was written, under common names.
-_COLUMNS = {
-    "outbox": ("d.id::text", "NULL::text", "d.created_at"),
-    "inbox": ("d.message_id", "d.consumer", "d.received_at"),
-}
 
 
 @dataclass(frozen=True)
@@ -61,7 +44,7 @@ class DeadFilter:
     type: str | None = None
     key: str | None = None
     error: str | None = None  # text anywhere in last_error, case-insensitive
-    group: str | None = None  # the error group, exactly (see ERROR_LINE)
+    group: str | None = None  # the error group, exactly (see relay.db.dead.error_line)
     older_than: float | None = None  # seconds since the row was written
     newer_than: float | None = None
 
@@ -86,34 +69,7 @@ class DeadFilter:
 
     def where(self, table: str) -> tuple[str, dict[str, Any]]:
         """The SQL condition (on alias `d`) and its parameters."""
-        written = _COLUMNS[table][2]
-        parts = ["d.status = 'dead'"]
-        params: dict[str, Any] = {}
-        if self.consumer is not None:
-            parts.append("d.consumer = :consumer")
-            params["consumer"] = self.consumer
-        for name in ("topic", "type", "key"):
-            value = getattr(self, name)
-            if value is not None:
-                parts.append(f"d.{name} = :{name}")
-                params[name] = value
-        if self.error:
-            parts.append("d.last_error ILIKE :error ESCAPE '\\'")
-            params["error"] = "%" + _like_escape(self.error) + "%"
-        if self.group is not None:
-            parts.append(f"{ERROR_LINE.format(t='d')} = :group")
-            params["group"] = self.group
-        if self.older_than is not None:
-            parts.append(f"{written} <= now() - make_interval(secs => :older_than)")
-            params["older_than"] = self.older_than
-        if self.newer_than is not None:
-            parts.append(f"{written} > now() - make_interval(secs => :newer_than)")
-            params["newer_than"] = self.newer_than
-        return " AND ".join(parts), params
-
-
-def _like_escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        return sql.condition(table, self)
 
 
 @dataclass(frozen=True)
@@ -223,16 +179,6 @@ def parse_cursor(text: str | None) -> tuple[str, int] | None:
     return table, int(seq)
 
 
-_LIST = """
-SELECT {ident}, {consumer}, d.seq, d.topic, d.key, d.type, d.attempts,
-       {error_line}, {written}, d.available_at
-FROM {table} d
-WHERE {where} {after}
-ORDER BY d.seq DESC
-LIMIT :limit
-"""
-
-
 class DeadMessages:
     """Dead rows of one database. Use as `async with DeadMessages(url) as dead:`,
     or give it a Store that outlives it (the console's)."""
@@ -257,17 +203,8 @@ class DeadMessages:
                 want = limit + 1 - len(rows)
                 if want <= 0:
                     break
-                cond, params = where.where(table)
-                after_sql = ""
-                if position is not None and position[0] == table:
-                    after_sql = "AND d.seq < :after_seq"
-                    params["after_seq"] = position[1]
-                ident, consumer, written = _COLUMNS[table]
-                sql = _LIST.format(ident=ident, consumer=consumer, written=written,
-                                   error_line=ERROR_LINE.format(t="d"), table=table,
-                                   where=cond, after=after_sql)
-                params["limit"] = want
-                result = await conn.execute(sa.text(sql), params)
+                after_seq = position[1] if position is not None and position[0] == table else None
+                result = await sql.page(conn, table, where, limit=want, after_seq=after_seq)
                 rows.extend(DeadSummary(table, *r) for r in result)
         more = len(rows) > limit
         rows = rows[:limit]
@@ -278,13 +215,7 @@ class DeadMessages:
         counts: dict[str, int] = {}
         async with self._connect() as conn:
             for table in where.tables():
-                cond, params = where.where(table)
-                rows = f"SELECT 1 FROM {table} d WHERE {cond}"
-                if cap is not None:
-                    rows += " LIMIT :cap"
-                    params["cap"] = cap
-                counts[table] = await conn.scalar(
-                    sa.text(f"SELECT count(*) FROM ({rows}) r"), params) or 0
+                counts[table] = await sql.count(conn, table, where, cap)
         return counts
 
     async def groups(self, where: DeadFilter, limit: int = 100,
@@ -294,17 +225,8 @@ class DeadMessages:
         found: list[ErrorGroup] = []
         async with self._connect() as conn:
             for table in where.tables():
-                cond, params = where.where(table)
-                written = _COLUMNS[table][2]
-                source = f"{table} d WHERE {cond}"
-                if newest is not None:
-                    source = (f"(SELECT d.last_error, {written} FROM {source} "
-                              f"ORDER BY d.seq DESC LIMIT :newest) d")
-                    params["newest"] = newest
-                sql = (f"SELECT {ERROR_LINE.format(t='d')} AS error, count(*), max({written}) "
-                       f"FROM {source} GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT :limit")
-                params["limit"] = limit
-                for error, count, latest in await conn.execute(sa.text(sql), params):
+                result = await sql.groups(conn, table, where, limit=limit, newest=newest)
+                for error, count, latest in result:
                     found.append(ErrorGroup(table, error, count, latest))
         found.sort(key=lambda g: (-g.count, g.table, g.error))
         return found[:limit]
@@ -329,26 +251,10 @@ class DeadMessages:
 
     async def _fetch(self, conn: AsyncConnection, table: str, row_id: str,
                      consumer: str | None) -> list[DeadRow]:
-        ident, consumer_col, written = _COLUMNS[table]
-        params: dict[str, Any] = {"id": row_id}
-        if table == "outbox":
-            if not _is_uuid(row_id):
-                return []
-            match = "d.id = CAST(:id AS uuid)"
-            extra = "NULL::bytea, NULL::text"
-        else:
-            match = "d.message_id = :id"
-            if consumer is not None:
-                match += " AND d.consumer = :consumer"
-                params["consumer"] = consumer
-            extra = "d.body, d.raw_properties::text"
-        order = " ORDER BY d.consumer" if table == "inbox" else ""
-        sql = (f"SELECT {ident}, {consumer_col}, d.seq, d.topic, d.key, d.type, d.attempts, "
-               f"{ERROR_LINE.format(t='d')}, {written}, d.available_at, "
-               f"d.payload::text, d.headers::text, coalesce(d.last_error, ''), {extra} "
-               f"FROM {table} d WHERE d.status = 'dead' AND {match}{order}")
+        if table == "outbox" and not _is_uuid(row_id):
+            return []
         rows = []
-        for r in await conn.execute(sa.text(sql), params):
+        for r in await sql.get(conn, table, row_id, consumer):
             payload_text, headers_text, last_error, body, raw = r[10:]
             rows.append(DeadRow(
                 summary=DeadSummary(table, *r[:10]),
@@ -386,22 +292,10 @@ class DeadMessages:
         new_headers = _check_headers(headers) if headers is not None else None
         before = await self.get(row_id, table=table, consumer=consumer)
         table, consumer = before.summary.table, before.summary.consumer
-        sets, params = [], {"id": row_id, "consumer": consumer}
-        if new_payload is not None:
-            sets.append("payload = CAST(:payload AS jsonb)")
-            params["payload"] = new_payload
-            if table == "inbox":
-                sets.append("body = NULL")  # the body is JSON now
-        if new_headers is not None:
-            sets.append("headers = CAST(:headers AS jsonb)")
-            params["headers"] = new_headers
-        match = ("id = CAST(:id AS uuid)" if table == "outbox"
-                 else "consumer = :consumer AND message_id = :id")
         async with self._transaction() as conn:
-            result = await conn.execute(
-                sa.text(f"UPDATE {table} SET {', '.join(sets)} "
-                        f"WHERE {match} AND status = 'dead'"), params)
-            if result.rowcount != 1:
+            changed = await sql.edit(conn, table, row_id, consumer,
+                                     payload=new_payload, headers=new_headers)
+            if changed != 1:
                 raise NotFound(f"the row {row_id!r} is no longer dead")
             if retry:
                 await _retry_rows(conn, table, [row_id], consumer)
@@ -423,32 +317,18 @@ class DeadMessages:
     async def _select(self, conn: AsyncConnection, table: str, where: DeadFilter,
                       ids: Sequence[str]) -> dict[str | None, list[str]]:
         """Ids of the matching dead rows, locked, by consumer (None for the outbox)."""
-        cond, params = where.where(table)
-        ident, consumer, _ = _COLUMNS[table]
-        if ids:
-            if table == "outbox":
-                ids = [i for i in ids if _is_uuid(i)]
-                if not ids:
-                    return {}
-                cond += " AND d.id = ANY(CAST(:ids AS uuid[]))"
-            else:
-                cond += " AND d.message_id = ANY(CAST(:ids AS text[]))"
-            params["ids"] = list(ids)
-        result = await conn.execute(
-            sa.text(f"SELECT {consumer}, {ident} FROM {table} d WHERE {cond} FOR UPDATE"),
-            params)
-        chosen: dict[str | None, list[str]] = {}
-        for owner, row_id in result:
-            chosen.setdefault(owner, []).append(row_id)
-        return chosen
+        if ids and table == "outbox":
+            ids = [i for i in ids if _is_uuid(i)]
+            if not ids:
+                return {}
+        return await sql.lock(conn, table, where, ids)
 
     # -- connections ----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _connect(self) -> AsyncIterator[AsyncConnection]:
-        with translate_errors():
-            async with self.store.engine.connect() as conn:
-                yield conn
+        async with self.store.connection() as conn:
+            yield conn
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[AsyncConnection]:
@@ -459,38 +339,12 @@ class DeadMessages:
 async def _retry_rows(conn: AsyncConnection, table: str, ids: Sequence[str],
                       consumer: str | None) -> int:
     """The store's RETRY statement (that of `relay retry`) on these rows, then a wake-up."""
-    params: dict[str, Any] = {"ids": list(ids), "all_dead": False}
-    if table == "inbox":
-        params["consumer"] = consumer
-    result = await conn.execute(RETRY[table], params)
-    await conn.execute(NOTIFY, {"channel": f"relay_{table}"})
-    return int(result.rowcount)
-
-
-_DISCARD = {
-    "outbox": """
-WITH gone AS (
-    DELETE FROM outbox WHERE status = 'dead' AND id = ANY(CAST(:ids AS uuid[])) RETURNING *)
-INSERT INTO relay_discarded (source, message_id, consumer, row_data, reason)
-SELECT 'outbox', gone.id::text, NULL, to_jsonb(gone), :reason FROM gone
-""",
-    "inbox": """
-WITH gone AS (
-    DELETE FROM inbox WHERE status = 'dead' AND consumer = :consumer
-      AND message_id = ANY(CAST(:ids AS text[])) RETURNING *)
-INSERT INTO relay_discarded (source, message_id, consumer, row_data, reason)
-SELECT 'inbox', gone.message_id, gone.consumer, to_jsonb(gone), :reason FROM gone
-""",
-}
+    return int(await retry_in(conn, table, ids=ids, all_dead=False, consumer=consumer))
 
 
 async def _discard_rows(conn: AsyncConnection, table: str, ids: Sequence[str],
                         consumer: str | None, reason: str | None) -> int:
-    params: dict[str, Any] = {"ids": list(ids), "reason": reason}
-    if table == "inbox":
-        params["consumer"] = consumer
-    result = await conn.execute(sa.text(_DISCARD[table]), params)
-    return int(result.rowcount)
+    return await sql.discard(conn, table, ids, consumer, reason)
 
 
 def _is_uuid(text: str) -> bool:

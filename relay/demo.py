@@ -23,19 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-import psycopg
-import sqlalchemy as sa
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 import relay
-from relay import pg
 from relay.backoff import Backoff, sleep_unless
 from relay.config import BrokerURL, InboxSettings, OutboxSettings, normalize_database_url
+from relay.db import Connection, Store, create_database_if_missing, named
 from relay.errors import ConfigError, Unavailable
 from relay.handlers import HandlerRegistry, Message
 from relay.lifecycle import Daemon, Service, Started, run_together
-from relay.store import Store
 from relay.wiring import inbox_service, outbox_service
 
 log = logging.getLogger(__name__)
@@ -52,40 +46,16 @@ INBOX_BATCH = 100
 
 # The demo's own table and queries (an app's, not relay's).
 _DEMO_LOCK = 0x72656C64  # serializes concurrent `relay demo` start-ups
-_DDL = (
-    """CREATE TABLE IF NOT EXISTS relay_demo_events (
-    consumer    text        NOT NULL,
-    message_id  text        NOT NULL,
-    key         text        NULL,
-    n           bigint      NULL,
-    traceparent text        NULL,
-    handled_at  timestamptz NOT NULL DEFAULT now(),
-    -- each consumer handles each message once: a second run would fail here
-    PRIMARY KEY (consumer, message_id)
-)""",
-    "CREATE INDEX IF NOT EXISTS relay_demo_events_handled_at ON relay_demo_events (handled_at)",
-)
-_INSERT_EVENT = sa.text(
-    "INSERT INTO relay_demo_events (consumer, message_id, key, n, traceparent) "
-    "VALUES (:consumer, :message_id, :key, :n, :traceparent)"
-)
-_NOW = sa.text("SELECT now()")
-# Totals since the demo started, and the backlogs; partial indexes serve each.
-_STATS = sa.text("""
-SELECT
-    (SELECT count(*) FROM outbox WHERE status = 'published' AND published_at >= :since),
-    (SELECT count(*) FROM relay_demo_events
-     WHERE handled_at >= :since AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer)),
-    (SELECT count(*) FROM outbox WHERE status = 'pending'),
-    (SELECT count(*) FROM inbox
-     WHERE status = 'pending' AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer))
-""")
+_DDL = (named("demo_create_table"), named("demo_create_index"))
+_INSERT_EVENT = named("demo_insert_event")
+_NOW = named("demo_now")
+_STATS = named("demo_stats")
 
 registry = HandlerRegistry()
 
 
 @registry.handler(TYPE)
-def on_demo_event(message: Message, conn: sa.Connection) -> None:
+def on_demo_event(message: Message, conn: Connection) -> None:
     """Record the event, in the transaction that marks its inbox row processed."""
     payload = message.payload if isinstance(message.payload, dict) else {}
     conn.execute(_INSERT_EVENT, {
@@ -228,30 +198,6 @@ async def report(store: Store, since: Any, consumer: str | None, counts: _Counts
         out.flush()
 
 
-async def create_database_if_missing(database_url: str) -> str | None:
-    """The demo's database, created when it does not exist yet (through the
-    server's `postgres` database, as createdb does); its name if created.
-    Any other failure is left to the usual connect to report."""
-    conninfo = pg.libpq_url(database_url)
-    name = conninfo_to_dict(conninfo).get("dbname")
-    try:
-        conn = await psycopg.AsyncConnection.connect(conninfo, connect_timeout=pg.CONNECT_TIMEOUT)
-    except psycopg.OperationalError as exc:
-        if not name or f'database "{name}" does not exist' not in str(exc):
-            return None
-    else:
-        await conn.close()
-        return None
-    try:
-        async with await psycopg.AsyncConnection.connect(
-                make_conninfo(conninfo, dbname="postgres"), autocommit=True,
-                connect_timeout=pg.CONNECT_TIMEOUT) as admin:
-            await admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name))))
-    except psycopg.Error:
-        return None  # no right to, or made meanwhile: the connect that follows says
-    return str(name)
-
-
 async def prepare(database_url: str) -> list[str]:
     """Apply relay's schema and create the demo's table; returns the files applied."""
     from relay.api import apply_schema
@@ -260,9 +206,9 @@ async def prepare(database_url: str) -> list[str]:
     store = Store(database_url, pool_size=1)
     try:
         async with store.transaction() as conn:
-            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _DEMO_LOCK})
+            await conn.execute(named("demo_lock"), {"id": _DEMO_LOCK})
             for statement in _DDL:
-                await conn.execute(sa.text(statement))
+                await conn.execute(statement)
     finally:
         await store.close()
     return applied

@@ -21,16 +21,15 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import sqlalchemy.exc as sa_exc
-
 from relay import storable, tracing
 from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
 from relay.config import InboxSettings
+from relay.db import Store, connection_invalidated
 from relay.errors import HandlerHung, Unavailable
 from relay.handlers import Handler, HandlerRegistry, Message, call_from_sync, is_async
 from relay.metrics import InboxMetrics
 from relay.pacing import Pace
-from relay.store import Failure, InboxRow, Store
+from relay.rows import Failure, InboxRow
 from relay.workers import BLOCKED_RETRY, report_failure
 
 log = logging.getLogger(__name__)
@@ -272,7 +271,7 @@ class Dispatcher:
         except Unavailable:
             raise
         except Exception as exc:
-            if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+            if connection_invalidated(exc):
                 raise  # the database went away: not the handler's failure
             if isinstance(exc, TimeoutError) and not str(exc):  # asyncio.timeout's
                 return Failure(
@@ -294,8 +293,8 @@ class Dispatcher:
                 failures += 1
                 await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
-            except sa_exc.DBAPIError as exc:
-                if not exc.connection_invalidated:
+            except Exception as exc:
+                if not connection_invalidated(exc):
                     raise
                 failures += 1
                 await sleep_unless(self.stopping, self.reconnect.delay(failures))

@@ -18,8 +18,8 @@ from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
+from relay.db import Store, delete_expired, pending_gauge, table_health
 from relay.errors import Unavailable
-from relay.store import Store, delete_expired, pending_gauge, table_health
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,10 @@ from relay.backoff import (
 )
 from relay.brokers import Outcome, Publisher
 from relay.config import OutboxSettings
+from relay.db import OutboxSession, Store
 from relay.errors import BrokerUnavailable, Unavailable
 from relay.metrics import OutboxMetrics
-from relay.store import Failure, OutboxRow, OutboxSession, Store
+from relay.rows import Failure, OutboxRow
 from relay.workers import BLOCKED_RETRY, report_failure
 
 log = logging.getLogger(__name__)

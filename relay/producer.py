@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from relay import tracing
+from relay.db.schema import outbox
 from relay.errors import InvalidMessage
 from relay.limits import (
     MAX_JSON_DEPTH,
@@ -25,7 +26,6 @@ from relay.limits import (
     utf8_length,
     value_depth,
 )
-from relay.schema import outbox
 
 _builtin_type = type
 

@@ -37,9 +37,10 @@ from relay import logs
 from relay.backoff import until_available
 from relay.brokers import make_consumer
 from relay.config import InboxSettings
+from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, Lead, LeadGate, Pace
-from relay.receiving import InboxWriter, Receiver, Report
+from relay.receiving import Receiver, Report
 
 log = logging.getLogger("relay.inbox")
 

@@ -12,20 +12,14 @@ module loads neither SQLAlchemy nor handler code, so the child stays small.
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
 
-import orjson
-import psycopg
-
-from relay import pg
 from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
-from relay.errors import DatabaseUnavailable, Refused, Unavailable
+from relay.db.writer import InboxWriter
+from relay.errors import Refused, Unavailable
 from relay.pacing import Gate
 from relay.rows import NewInboxRow
 from relay.storable import last_resort, to_row, without_payload
@@ -51,94 +45,8 @@ Report = Callable[[int, int, int], None]
 # The inbox table
 # --------------------------------------------------------------------------
 
-# One statement per received batch, which travels as one JSON array of
-# objects (a text array per column cost the receiver much of its CPU in
-# psycopg's array quoting; docs/performance.md). Duplicates (same consumer and producer id, in
-# the table or earlier in the batch) are skipped; RETURNING tells which rows
-# are new. A raw body (not JSON) comes base64-encoded. The rest of relay's
-# SQL is in relay.store, which this process does without.
-INSERT_INBOX = """
-INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
-                   status, last_error, raw_properties)
-SELECT %(consumer)s, m.message_id, m.topic, m.key, m.type, m.payload,
-       decode(m.body, 'base64'), m.headers, m.status, m.last_error,
-       CAST(m.raw_properties AS json)
-FROM json_to_recordset(%(rows)s::json)
-     AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
-          headers jsonb, status text, last_error text, raw_properties text)
-ON CONFLICT (consumer, message_id) DO NOTHING
-RETURNING message_id
-"""
-
-
-def rows_json(batch: Sequence[NewInboxRow]) -> str:
-    """A received batch as the JSON array INSERT_INBOX reads. Payloads and
-    headers are JSON texts already (checked when received): they go in as
-    they are."""
-    return orjson.dumps([
-        {
-            "message_id": m.message_id, "topic": m.topic, "key": m.key, "type": m.type,
-            "payload": None if m.payload is None else orjson.Fragment(m.payload),
-            "body": None if m.body is None else base64.b64encode(m.body).decode(),
-            "headers": orjson.Fragment(m.headers), "status": m.status,
-            "last_error": m.last_error,
-            # As a string: json_to_recordset would unescape a nested \u0000.
-            "raw_properties": m.raw_properties,
-        }
-        for m in batch
-    ]).decode()
-
-
-def _refused_by_content(exc: BaseException) -> bool:
-    if isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded)):
-        return True
-    sqlstate = getattr(exc, "sqlstate", None) or ""
-    return sqlstate.startswith(("22", "54"))
-
-
-class InboxWriter:
-    """Inserts received batches on one autocommit connection of psycopg's
-    (one statement, one round trip), opened on first use and after a break."""
-
-    def __init__(self, database_url: str) -> None:
-        self.conninfo = pg.libpq_url(database_url)
-        self._conn: psycopg.AsyncConnection[Any] | None = None
-
-    async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
-        """Insert a batch; returns the ids that were new. Raises Refused for a
-        value PostgreSQL will not take, DatabaseUnavailable when it is away."""
-        if not batch:
-            return set()
-        try:
-            params = {"consumer": consumer, "rows": rows_json(batch)}
-        except (orjson.JSONEncodeError, TypeError, ValueError) as exc:  # cannot happen
-            raise Refused(f"the row could not be encoded: {exc}") from exc
-        try:
-            if self._conn is None or self._conn.closed:
-                self._conn = await pg.connect(self.conninfo)
-            cursor = await self._conn.execute(INSERT_INBOX, params)
-            return {row[0] for row in await cursor.fetchall()}
-        except psycopg.Error as exc:
-            if _refused_by_content(exc):
-                first = str(exc).strip().splitlines()
-                raise Refused(first[0] if first else type(exc).__name__) from exc
-            await self._lost(exc)
-        except OSError as exc:
-            await self._lost(exc)
-
-    async def _lost(self, exc: BaseException) -> NoReturn:
-        """Any other failure is the server's or the connection's (gone, read
-        only, out of disk): close the connection, raise DatabaseUnavailable,
-        and the batch waits, unacknowledged."""
-        await self.close()
-        first = str(exc).strip().splitlines()
-        raise DatabaseUnavailable(f"{type(exc).__name__}: {first[0] if first else ''}") from exc
-
-    async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.close()
+# The receiver's INSERT and its connection are relay.db.writer's (no
+# SQLAlchemy there either).
 
 
 # --------------------------------------------------------------------------

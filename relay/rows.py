@@ -41,7 +41,7 @@ class InboxRow:
 
 @dataclass(frozen=True, slots=True)
 class NewInboxRow:
-    """A received message ready for relay.receiving.INSERT_INBOX."""
+    """A received message ready for the receiver's INSERT (relay.db.writer)."""
 
     message_id: str
     topic: str | None

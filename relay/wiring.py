@@ -18,6 +18,7 @@ from relay import tracing
 from relay.backoff import reconnect_backoff, until_available
 from relay.brokers import make_publisher
 from relay.config import InboxSettings, OutboxSettings
+from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
 from relay.errors import Unavailable
 from relay.handlers import HandlerRegistry, is_async
 from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
@@ -28,7 +29,6 @@ from relay.metrics import InboxMetrics
 from relay.outbox import WORKERS, OutboxRelay
 from relay.pacing import PACE_BATCHES, Pace
 from relay.receiver_process import LocalReceiver, ReceiverProcess
-from relay.store import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
 
 # The loops' own loggers: a daemon's lines keep the name of its loop.
 outbox_log = logging.getLogger("relay.outbox")

@@ -2,7 +2,7 @@
 keys held elsewhere and the report of failed attempts.
 
 Both loops claim rows of their share of the keys (the hash ranges are in
-the claim's SQL, relay.store), handle them, and mark them in one
+the claim's SQL, relay/db/queries/), handle them, and mark them in one
 transaction; they differ in what handling is (publishing, running
 handlers). The reconnect wait they also share is relay.backoff's.
 """

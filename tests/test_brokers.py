@@ -36,8 +36,9 @@ from relay.brokers.sqs import (
     to_incoming,
 )
 from relay.config import BrokerURL, OutboxSettings
+from relay.db import Store
 from relay.outbox import WORKERS, OutboxRelay
-from relay.store import OutboxRow, Store
+from relay.rows import OutboxRow
 from tests.apps.handlers import EFFECTS_DDL
 from tests.conftest import AMQP_URL, Rabbit, insert_outbox, rows, wait_until
 from tests.sqs_server import Sqs, sqs, sqs_server  # noqa: F401 - fixtures

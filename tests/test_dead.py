@@ -9,7 +9,7 @@ import json
 import pytest
 import sqlalchemy as sa
 
-from relay import schema
+from relay.db import schema
 from tests.conftest import rows, wait_until
 
 TRACEBACK = """Traceback (most recent call last):

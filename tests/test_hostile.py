@@ -322,7 +322,7 @@ async def test_broker_refusing_a_message_as_too_big_fails_that_row_and_releases_
     from datetime import datetime
 
     from relay.brokers import Outcome, amqp
-    from relay.store import Failure, OutboxRow
+    from relay.rows import Failure, OutboxRow
     from tests.conftest import AMQP_URL
 
     queue = await rabbit.queue("size.#")
@@ -376,7 +376,7 @@ async def test_integers_beyond_64_bits_cross_outbox_and_inbox_exactly(
 
 def test_big_integer_payload_body_is_exact_compact_json():
     from relay.brokers import row_body
-    from relay.store import OutboxRow
+    from relay.rows import OutboxRow
 
     def body(payload_text: str) -> bytes:
         row = OutboxRow(id=str(uuid.uuid4()), seq=1, topic="t", key=None, type=None,
@@ -397,30 +397,27 @@ def test_big_integer_payload_body_is_exact_compact_json():
 
 # SQL built from strings: only these, each from constants, never from input.
 _DYNAMIC_SQL_ALLOWED = {
-    ("relay/store.py", '_CLAIM_OUTBOX.format(dead=cond)'),  # --on-dead: a fixed choice
-    ("relay/store.py", '_CLAIM_INBOX.format(dead=cond)'),
-    ("relay/store.py", 'f"LISTEN {self.channel}"'),  # a constant channel name
+    # relay.db.sql.claim fills the claim's {dead} slot from a fixed choice
+    # (--on-dead), with str.replace; the LISTEN channel is a constant.
+    ("relay/db/listener.py", 'f"LISTEN {self.channel}"'),
     # OutboxSession's simple-protocol commands: prepared once per connection,
     # then run with integers (int()) and UUIDs the claim returned (checked).
-    ("relay/store.py", (
+    ("relay/db/session.py", (
         '"PREPARE relay_claim(int, int, int) AS " + self._claim_sql\n'
         '                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED')),
     # `claim`: EXECUTE relay_claim(the integers), or behind a pooler the
-    # claim itself with those integers written in (relay.store._POOLED_SESSION).
-    ("relay/store.py", 'f"BEGIN; {claim}"'),
-    ("relay/store.py", 'f"EXECUTE relay_mark(\'{{{ids}}}\'); COMMIT"'),
-    ("relay/store.py", ('MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
-                       '                                   + "; COMMIT"')),
-    # relay.dead: table and column names from its fixed _COLUMNS, conditions
-    # from DeadFilter.where (bound parameters), SET clauses from constants.
-    ("relay/dead.py", 'f"SELECT count(*) FROM ({rows}) r"'),
-    ("relay/dead.py", 'f"SELECT {consumer}, {ident} FROM {table} d WHERE {cond} FOR UPDATE"'),
-    ("relay/dead.py", ('f"UPDATE {table} SET {\', \'.join(sets)} "\n'
-                       '                        f"WHERE {match} AND status = \'dead\'"')),
+    # claim itself with those integers written in (relay.db.session._POOLED_SESSION).
+    ("relay/db/session.py", 'f"BEGIN; {claim}"'),
+    ("relay/db/session.py", 'f"EXECUTE relay_mark(\'{{{ids}}}\'); COMMIT"'),
+    ("relay/db/session.py", ('MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
+                            '                                   + "; COMMIT"')),
+    # relay.dead's statements are templates of relay/db/queries/dead.sql,
+    # filled by relay.db.dead with table and column names from its fixed
+    # COLUMNS and conditions of bound parameters (relay.db.dead.condition).
     # psycopg's own composition: the name quoted as an identifier.
-    ("relay/demo.py", 'sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name)))'),
+    ("relay/db/connect.py", 'sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name)))'),
 }
-_SQL_CALLS = {"execute", "exec_driver_sql", "text", "scalar", "scalars"}
+_SQL_CALLS = {"execute", "exec_driver_sql", "text", "statement", "scalar", "scalars"}
 
 
 def _dynamic(node: ast.expr) -> bool:

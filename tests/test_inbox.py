@@ -19,10 +19,10 @@ import sqlalchemy as sa
 
 import relay
 from relay.config import InboxSettings
+from relay.db import Store
 from relay.inbox import DISPATCHERS, Dispatcher
 from relay.metrics import InboxMetrics
 from relay.pacing import PACE_BATCHES
-from relay.store import Store
 from tests.conftest import (
     HANDLERS,
     MIXED_HANDLERS,

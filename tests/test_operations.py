@@ -22,8 +22,8 @@ import pytest
 import sqlalchemy as sa
 
 import relay
+from relay.db import RETENTION_LOCK
 from relay.lifecycle import EXIT_FAILURE, EXIT_OK, Daemon, Service
-from relay.store import RETENTION_LOCK
 from tests.conftest import (
     HANDLERS,
     PG_HOST,

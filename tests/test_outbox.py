@@ -17,10 +17,10 @@ import sqlalchemy as sa
 import relay
 from relay.brokers import make_publisher
 from relay.config import BrokerURL, OutboxSettings
+from relay.db import NOTIFY_OUTBOX, Listener, OutboxSession, Store
 from relay.errors import DatabaseUnavailable
 from relay.outbox import WORKERS, OutboxRelay
 from relay.rows import Failure
-from relay.store import NOTIFY_OUTBOX, Listener, OutboxSession, Store
 from tests.conftest import AMQP_URL, insert_outbox, keys_by_share, rows, wait_until
 
 
@@ -491,7 +491,7 @@ def test_message_id_is_stable_and_unique(engine):
     assert json.loads(json.dumps(str(fresh)))
 
 
-# -- the workers' own connections (relay.store.OutboxSession) -----------------
+# -- the workers' own connections (relay.db.session.OutboxSession) -----------------
 
 
 async def test_worker_session_commits_without_waiting_for_the_disk_and_plans_by_index(

@@ -22,8 +22,8 @@ import pytest
 import sqlalchemy as sa
 
 import relay
+from relay.db import Store
 from relay.rows import Failure
-from relay.store import Store
 from tests.conftest import PG_HOST, PG_PORT, PG_USER, insert_outbox, rows, wait_until
 from tests.pgbouncer import PgBouncer
 from tests.test_faults import (  # noqa: F401

@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
-from relay import schema
+from relay.db import schema
 from tests.conftest import PG_HOST, PG_PORT, PG_USER, RELAY, REPO, _require, drop_database, pg_url
 
 

@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from relay.config import parse_duration, redact_url
 from relay.console import overview as overview_module
 from relay.console.views import age, pretty_json
+from relay.db import Store
 from relay.dead import (
     DeadError,
     DeadFilter,
@@ -51,7 +52,6 @@ from relay.dead import (
     summarize,
 )
 from relay.errors import ConfigError, DatabaseUnavailable, SchemaError
-from relay.store import Store
 
 log = logging.getLogger("relay.console")
 

@@ -14,39 +14,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
-
-from relay.store import Store, translate_errors
+from relay.db import AsyncConnection, Store, named
 
 MINUTES = 60
 
-_OUTBOX = sa.text("""
-SELECT (SELECT count(*) FROM outbox WHERE status = 'pending'),
-       (SELECT count(*) FROM outbox WHERE status = 'dead'),
-       (SELECT extract(epoch FROM now() - created_at)::float8
-          FROM outbox WHERE status = 'pending' ORDER BY seq LIMIT 1)
-""")
-_OUTBOX_RATE = sa.text("""
-SELECT floor(extract(epoch FROM now() - published_at) / 60)::int, count(*)
-FROM outbox WHERE status = 'published' AND published_at > now() - interval '60 minutes'
-GROUP BY 1
-""")
+_OUTBOX = named("overview_outbox")
+_OUTBOX_RATE = named("overview_outbox_rate")
 _INBOX_COUNTS = {
-    "pending": sa.text("SELECT consumer, count(*) FROM inbox WHERE status = 'pending' "
-                       "GROUP BY consumer"),
-    "dead": sa.text("SELECT consumer, count(*) FROM inbox WHERE status = 'dead' "
-                    "GROUP BY consumer"),
+    "pending": named("overview_inbox_pending"),
+    "dead": named("overview_inbox_dead"),
 }
-_INBOX_OLDEST = sa.text("""
-SELECT extract(epoch FROM now() - received_at)::float8 FROM inbox
-WHERE consumer = :consumer AND status = 'pending' ORDER BY seq LIMIT 1
-""")
-_INBOX_RATE = sa.text("""
-SELECT consumer, floor(extract(epoch FROM now() - processed_at) / 60)::int, count(*)
-FROM inbox WHERE status = 'processed' AND processed_at > now() - interval '60 minutes'
-GROUP BY 1, 2
-""")
+_INBOX_OLDEST = named("overview_inbox_oldest")
+_INBOX_RATE = named("overview_inbox_rate")
 
 
 @dataclass
@@ -101,9 +80,8 @@ async def overview(store: Store) -> list[Scope]:
             _add(scope(consumer), ago, count)
 
     async def run(part: Callable[[AsyncConnection], Awaitable[None]]) -> None:
-        with translate_errors():
-            async with store.engine.connect() as conn:
-                await part(conn)
+        async with store.connection() as conn:
+            await part(conn)
 
     await asyncio.gather(*(run(p) for p in (outbox_counts, outbox_rate, inbox_counts,
                                                inbox_rate)))

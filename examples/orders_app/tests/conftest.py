@@ -13,7 +13,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from relay import schema
+from relay.db import schema
 
 SERVER = os.environ.get("ORDERS_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 

@@ -1,11 +1,11 @@
 """The PostgreSQL connections relay opens outside SQLAlchemy's pool.
 
-Each outbox worker's session (relay.store.OutboxSession), the inbox
-receiver's writer (relay.receiving, in a process that loads no
+Each outbox worker's session (relay.db.session.OutboxSession), the inbox
+receiver's writer (relay.db.writer, in a process that loads no
 SQLAlchemy, so neither does this module) and the LISTEN connection
-(relay.store.Listener) are plain psycopg connections in autocommit. Like
-the pooled ones, they give up connecting after CONNECT_TIMEOUT seconds and
-show in pg_stat_activity as application_name 'relay'.
+(relay.db.listener.Listener) are plain psycopg connections in autocommit.
+Like the pooled ones, they give up connecting after CONNECT_TIMEOUT seconds
+and show in pg_stat_activity as application_name 'relay'.
 
 Behind a pooler (PgBouncer) a connection keeps no session state: in
 transaction mode each transaction may run on another server connection, so
@@ -21,8 +21,12 @@ import logging
 from typing import Any
 
 import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-log = logging.getLogger(__name__)
+from relay.db.sql import query
+
+log = logging.getLogger("relay.pg")
 
 CONNECT_TIMEOUT = 10
 APPLICATION_NAME = "relay"
@@ -30,6 +34,8 @@ APPLICATION_NAME = "relay"
 # PgBouncer refuses startup parameters it does not know, `options` among
 # them (unless its ignore_startup_parameters lists it).
 _REFUSED_PARAMETER = "unsupported startup parameter"
+
+BACKEND_PID = query("backend_pid")
 
 
 async def connect(conninfo: str, **settings: Any) -> psycopg.AsyncConnection[Any]:
@@ -77,9 +83,6 @@ def refused_options(exc: BaseException) -> bool:
     return _REFUSED_PARAMETER in str(exc) and "options" in str(exc)
 
 
-BACKEND_PID = "SELECT pg_backend_pid()"
-
-
 def pooled_pid(client_pid: int, server_pid: int | None) -> bool:
     """Is the pid the client was given at connect not that of the server
     process that answers? Then something (a pooler) stands between them."""
@@ -104,3 +107,28 @@ def libpq_url(database_url: str) -> str:
     """The libpq form of a database URL: relay's settings may spell the
     scheme postgresql+psycopg://, SQLAlchemy's form."""
     return "postgresql://" + database_url.partition("://")[2]
+
+
+async def create_database_if_missing(database_url: str) -> str | None:
+    """The database of `database_url`, created when it does not exist yet
+    (through the server's `postgres` database, as createdb does); its name
+    if created. Any other failure is left to the usual connect to report.
+    (`relay demo`'s.)"""
+    conninfo = libpq_url(database_url)
+    name = conninfo_to_dict(conninfo).get("dbname")
+    try:
+        conn = await psycopg.AsyncConnection.connect(conninfo, connect_timeout=CONNECT_TIMEOUT)
+    except psycopg.OperationalError as exc:
+        if not name or f'database "{name}" does not exist' not in str(exc):
+            return None
+    else:
+        await conn.close()
+        return None
+    try:
+        async with await psycopg.AsyncConnection.connect(
+                make_conninfo(conninfo, dbname="postgres"), autocommit=True,
+                connect_timeout=CONNECT_TIMEOUT) as admin:
+            await admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name))))
+    except psycopg.Error:
+        return None  # no right to, or made meanwhile: the connect that follows says
+    return str(name)

@@ -16,6 +16,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import BYTEA, JSON, JSONB, UUID
 
+from relay.db.sql import query
 from relay.errors import SchemaError, SchemaNotReady
 
 metadata = sa.MetaData()
@@ -78,13 +79,7 @@ discarded = sa.Table(
               server_default=sa.func.now()),
 )
 
-VERSION_TABLE_DDL = """\
-CREATE TABLE IF NOT EXISTS relay_schema_version (
-    version    int         PRIMARY KEY,
-    name       text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-);
-"""
+VERSION_TABLE_DDL = query("schema_version_table") + "\n"
 
 # Any constant works; this one spells "rely" and keeps clear of app locks.
 APPLY_LOCK_ID = 0x72656C79
@@ -105,7 +100,7 @@ def _schema_dir() -> Path:
     packaged = resources.files("relay") / "schema"
     if packaged.is_dir():
         return Path(str(packaged))
-    return Path(__file__).resolve().parent.parent / "schema"
+    return Path(__file__).resolve().parents[2] / "schema"
 
 
 def migrations() -> list[Migration]:
@@ -139,9 +134,9 @@ def sql_script() -> str:
 
 def apply(conn: sa.Connection) -> list[str]:
     """Apply the missing migrations in the caller's transaction; returns their names."""
-    conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": APPLY_LOCK_ID})
+    conn.execute(sa.text(query("schema_apply_lock")), {"id": APPLY_LOCK_ID})
     conn.execute(sa.text(VERSION_TABLE_DDL))
-    done = set(conn.execute(sa.text("SELECT version FROM relay_schema_version")).scalars())
+    done = set(conn.execute(sa.text(query("schema_versions_applied"))).scalars())
     known = migrations()
     _refuse_newer(max(done, default=0))
     applied = []
@@ -150,7 +145,7 @@ def apply(conn: sa.Connection) -> list[str]:
             continue
         conn.exec_driver_sql(m.sql)
         conn.execute(
-            sa.text("INSERT INTO relay_schema_version (version, name) VALUES (:v, :n)"),
+            sa.text(query("schema_record_version")),
             {"v": m.version, "n": m.name},
         )
         applied.append(m.name)
@@ -165,9 +160,7 @@ def _refuse_newer(version: int) -> None:
         )
 
 
-CHECK_VERSION_SQL = sa.text(
-    "SELECT max(version) FROM relay_schema_version"
-)
+CHECK_VERSION_SQL = sa.text(query("schema_version"))
 
 
 def check_version(version: int | None) -> None:

@@ -1,0 +1,117 @@
+"""The one translation of driver and SQLAlchemy errors into relay's own.
+
+Errors that mean "the server went away" become DatabaseUnavailable, with
+`raise … from exc`, so the loops catch one class and retry with backoff;
+a value PostgreSQL refuses in a received batch becomes Refused. Every path
+to PostgreSQL in relay.db goes through `translate_errors` (or, where it
+must close a connection first, `unavailable`).
+
+This module imports psycopg but not SQLAlchemy (the receiver's process
+loads it): a SQLAlchemy error can only exist once SQLAlchemy is loaded, so
+its classes are looked up in sys.modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+
+import psycopg
+
+from relay.errors import DatabaseUnavailable, Refused
+
+Predicate = Callable[[BaseException], bool]
+
+__all__ = [
+    "Refused", "any_driver_error", "connection_invalidated", "describe", "failed_command",
+    "is_disconnect", "is_driver_error", "refused_by_content", "statement_gone",
+    "translate_errors", "unavailable",
+]
+
+
+def _sqlalchemy(exc: BaseException, name: str) -> bool:
+    module = sys.modules.get("sqlalchemy.exc")
+    return module is not None and isinstance(exc, getattr(module, name))
+
+
+def connection_invalidated(exc: BaseException) -> bool:
+    """A SQLAlchemy error on a connection its pool has thrown away."""
+    return _sqlalchemy(exc, "DBAPIError") and bool(getattr(exc, "connection_invalidated", False))
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """Does `exc` mean the server or the connection went away?"""
+    if _sqlalchemy(exc, "DBAPIError"):
+        return connection_invalidated(exc) or isinstance(
+            getattr(exc, "orig", None), psycopg.OperationalError)
+    return isinstance(exc, (psycopg.OperationalError, OSError)) or _sqlalchemy(
+        exc, "InterfaceError")
+
+
+def statement_gone(exc: BaseException) -> bool:
+    """A prepared statement is missing from the session (a pooler between
+    relay and the server, say): mended like a lost connection."""
+    return isinstance(exc, psycopg.errors.InvalidSqlStatementName)
+
+
+def any_driver_error(exc: BaseException) -> bool:
+    """Any psycopg error or socket error: the server's or the connection's
+    (gone, read only, out of disk)."""
+    return isinstance(exc, (psycopg.Error, OSError))
+
+
+def is_driver_error(exc: BaseException) -> bool:
+    """Did the driver raise it (rather than relay's code, or a cancellation)?"""
+    return isinstance(exc, psycopg.Error)
+
+
+def refused_by_content(exc: BaseException) -> bool:
+    """Did PostgreSQL refuse a value rather than the connection fail? (See Refused.)"""
+    if isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded)):
+        return True
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    return sqlstate.startswith(("22", "54"))
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: first line` of the driver's error, for logs and DatabaseUnavailable."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return f"{type(orig).__name__}: {text[0] if text else ''}"
+
+
+def failed_command(command: str, message: str, *, connection_bad: bool) -> Exception:
+    """The error for a command sent straight to libpq that failed (the
+    handlers' savepoints, relay.db.store.Savepoint): DatabaseUnavailable when
+    the connection is gone, else the driver's DatabaseError."""
+    if connection_bad:
+        return DatabaseUnavailable(f"OperationalError: {message.strip()}")
+    return psycopg.DatabaseError(f"{command}: {message.strip()}")
+
+
+def unavailable(exc: BaseException, lost: Predicate = is_disconnect) -> BaseException | None:
+    """relay's own error for `exc`, or None when `exc` goes on as it is:
+    DatabaseUnavailable when `lost(exc)` (by default: the server went away),
+    Refused for a value PostgreSQL would not take when `lost` takes any
+    driver error."""
+    if isinstance(exc, DatabaseUnavailable) or not isinstance(exc, Exception):
+        return None
+    if lost is any_driver_error and is_driver_error(exc) and refused_by_content(exc):
+        first = str(exc).strip().splitlines()
+        return Refused(first[0] if first else type(exc).__name__)
+    if lost(exc):
+        return DatabaseUnavailable(describe(exc))
+    return None
+
+
+@contextlib.contextmanager
+def translate_errors(lost: Predicate = is_disconnect) -> Iterator[None]:
+    """Raise relay's own error (see `unavailable`) for what the block raises."""
+    try:
+        yield
+    except Exception as exc:
+        error = unavailable(exc, lost)
+        if error is None:
+            raise
+        raise error from exc

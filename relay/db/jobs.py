@@ -1,0 +1,41 @@
+"""The SQL of the daemons' scheduled jobs (relay.maintenance): retention and gauges."""
+
+from __future__ import annotations
+
+from relay.db.store import Store, named
+
+RETENTION_LOCK = {"outbox": 0x72657430, "inbox": 0x72657431}
+
+
+async def delete_expired(store: Store, table: str, age: float, batch: int = 1000) -> int | None:
+    """Delete finished rows older than `age` seconds, batch by batch.
+
+    Only one replica does it at a time (an advisory lock per table); returns
+    None when another replica holds it."""
+    total = 0
+    while True:
+        async with store.transaction() as conn:
+            if not await conn.scalar(named("retention_lock"), {"id": RETENTION_LOCK[table]}):
+                return None if total == 0 else total
+            result = await conn.execute(named(f"delete_expired_{table}"),
+                                        {"age": age, "limit": batch})
+        total += result.rowcount
+        if result.rowcount < batch:
+            return total
+
+
+async def pending_gauge(store: Store, table: str) -> tuple[int, float]:
+    """How many rows are pending and the age of the oldest, in seconds."""
+    async with store.connection() as conn:
+        count, age = (await conn.execute(named(f"pending_gauge_{table}"))).one()
+    return int(count), float(age)
+
+
+async def table_health(store: Store, table: str) -> tuple[int, float]:
+    """The table's dead row versions and the Unix time of its last vacuum
+    (0: never), as the cumulative statistics last counted them."""
+    async with store.connection() as conn:
+        row = (await conn.execute(named("table_health"), {"table": table})).one_or_none()
+    if row is None:
+        return 0, 0.0
+    return int(row[0]), float(row[1])

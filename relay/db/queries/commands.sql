@@ -1,0 +1,71 @@
+-- The one-shot commands' queries (relay.db.store.Store: `relay status`,
+-- `relay retry`, the schema check) and the schema's own (relay.db.schema).
+
+-- name: retry_outbox
+UPDATE outbox SET status = 'pending', attempts = 0, available_at = now()
+WHERE (id = ANY(CAST(:ids AS uuid[])) OR (:all_dead AND status = 'dead'))
+
+-- name: retry_inbox
+UPDATE inbox SET status = 'pending', attempts = 0, available_at = now()
+WHERE (message_id = ANY(:ids) OR (:all_dead AND status = 'dead'))
+AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer)
+
+-- name: notify_wake
+-- A wake-up for the daemons (relay_outbox, relay_inbox), as a producer's commit sends.
+SELECT pg_notify(:channel, '')
+
+-- name: schema_table_exists
+SELECT to_regclass('relay_schema_version') IS NOT NULL
+
+-- name: schema_version
+SELECT max(version) FROM relay_schema_version
+
+-- name: schema_apply_lock
+SELECT pg_advisory_xact_lock(:id)
+
+-- name: schema_version_table
+CREATE TABLE IF NOT EXISTS relay_schema_version (
+    version    int         PRIMARY KEY,
+    name       text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: schema_versions_applied
+SELECT version FROM relay_schema_version
+
+-- name: schema_record_version
+INSERT INTO relay_schema_version (version, name) VALUES (:v, :n)
+
+-- name: status_counts_outbox
+SELECT status, count(*) FROM outbox GROUP BY status
+
+-- name: status_counts_inbox
+SELECT status, count(*) FROM inbox GROUP BY status
+
+-- name: oldest_pending_outbox
+SELECT extract(epoch FROM now() - min(created_at))::float8
+FROM outbox WHERE status = 'pending'
+
+-- name: oldest_pending_inbox
+SELECT extract(epoch FROM now() - min(received_at))::float8
+FROM inbox WHERE status = 'pending'
+
+-- name: dead_keys_outbox
+-- Keys that have a dead row, which under --on-dead block holds back every
+-- later row of the key: per table, and per consumer for the inbox; the
+-- first :limit keys (oldest dead row first) and how many there are.
+SELECT NULL::text AS consumer, key, count(*) OVER () AS total
+FROM (SELECT key, min(seq) AS first FROM outbox
+      WHERE status = 'dead' AND key IS NOT NULL GROUP BY key) d
+ORDER BY first
+LIMIT :limit
+
+-- name: dead_keys_inbox
+SELECT consumer, key, total FROM (
+    SELECT consumer, key, count(*) OVER (PARTITION BY consumer) AS total,
+           row_number() OVER (PARTITION BY consumer ORDER BY first) AS n
+    FROM (SELECT consumer, key, min(seq) AS first FROM inbox
+          WHERE status = 'dead' AND key IS NOT NULL GROUP BY consumer, key) d
+) t
+WHERE n <= :limit
+ORDER BY consumer, n

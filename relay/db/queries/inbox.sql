@@ -1,0 +1,110 @@
+-- The inbox daemon's queries: the receiver's INSERT (relay.db.writer, in
+-- the receiver's process, through plain psycopg) and the dispatchers'
+-- claim and marks (relay.db.store).
+
+-- name: inbox_insert
+-- One statement per received batch, which travels as one JSON array of
+-- objects (a text array per column cost the receiver much of its CPU in
+-- psycopg's array quoting; docs/performance.md). Duplicates (same consumer
+-- and producer id, in the table or earlier in the batch) are skipped;
+-- RETURNING tells which rows are new. A raw body (not JSON) comes
+-- base64-encoded.
+INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
+                   status, last_error, raw_properties)
+SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload,
+       decode(m.body, 'base64'), m.headers, m.status, m.last_error,
+       CAST(m.raw_properties AS json)
+FROM json_to_recordset(CAST(:rows AS json))
+     AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
+          headers jsonb, status text, last_error text, raw_properties text)
+ON CONFLICT (consumer, message_id) DO NOTHING
+RETURNING message_id
+
+-- name: inbox_claim
+-- The inbox twin of the outbox claim (see outbox_claim), per consumer.
+WITH low AS MATERIALIZED (
+    SELECT coalesce(min(seq), 0) AS seq FROM inbox
+    WHERE consumer = :consumer AND status = 'pending'
+), locked AS (
+    SELECT i.message_id, i.seq, i.topic, i.key, i.type, i.payload, i.headers, i.attempts
+    FROM inbox i
+    WHERE i.consumer = :consumer AND i.status = 'pending' AND i.seq >= (SELECT seq FROM low)
+      AND (hashtext(coalesce(i.key, i.message_id)) & 2147483647)
+          >= (CAST(:worker AS bigint) << 31) / :workers
+      AND (hashtext(coalesce(i.key, i.message_id)) & 2147483647)
+          < ((CAST(:worker AS bigint) + 1) << 31) / :workers
+      AND i.available_at <= now()
+      AND (i.key IS NULL OR (
+          NOT EXISTS (
+              SELECT 1 FROM inbox e
+              WHERE e.consumer = i.consumer AND e.key = i.key
+                AND e.seq >= (SELECT seq FROM low) AND e.seq < i.seq
+                AND e.status <> 'processed' AND e.status <> 'dead'
+                AND (e.available_at > now() OR e.attempts > 0))
+          {dead}))
+    ORDER BY i.seq
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+SELECT l.message_id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
+       l.headers::text AS headers, l.attempts,
+       l.key IS NOT NULL AND EXISTS (
+           SELECT 1 FROM inbox e
+           WHERE e.consumer = :consumer AND e.key = l.key
+             AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
+             AND e.status <> 'processed' AND e.status <> 'dead'
+             AND e.message_id NOT IN (SELECT message_id FROM locked)) AS blocked
+FROM locked l
+ORDER BY l.seq
+
+-- name: inbox_claim_dead_skip
+-- --on-dead skip: a dead row holds nothing back (an empty condition).
+
+-- name: inbox_claim_dead_block
+-- --on-dead block: a dead row holds back every later row of its key.
+AND NOT EXISTS (
+              SELECT 1 FROM inbox d
+              WHERE d.consumer = i.consumer AND d.key = i.key AND d.seq < i.seq
+                AND d.status = 'dead')
+
+-- name: inbox_mark_processed
+-- The ids travel as one JSON array: a text[] parameter costs the dispatcher
+-- psycopg's array quoting of every id.
+UPDATE inbox SET status = 'processed', processed_at = now(), last_error = NULL
+WHERE consumer = :consumer
+AND message_id = ANY(ARRAY(SELECT json_array_elements_text(CAST(:ids AS json))))
+
+-- name: inbox_mark_failed
+UPDATE inbox AS i SET
+    attempts = i.attempts + 1,
+    last_error = f.error,
+    available_at = now() + make_interval(secs => f.delay),
+    status = CASE WHEN f.permanent OR i.attempts + 1 >= :max_attempts
+                  THEN 'dead' ELSE 'pending' END
+FROM unnest(CAST(:ids AS text[]), CAST(:errors AS text[]),
+            CAST(:delays AS float8[]), CAST(:permanent AS bool[]))
+     AS f(id, error, delay, permanent)
+WHERE i.consumer = :consumer AND i.message_id = f.id
+RETURNING i.message_id, i.status
+
+-- name: inbox_body
+-- A retried row whose body was not JSON: its handler gets the raw bytes too.
+SELECT body FROM inbox WHERE consumer = :consumer AND message_id = :id
+
+-- name: terminate_backend
+-- The dispatcher's watchdog: end the transaction of a hung handler (its row
+-- locks go with it) so its failed attempt can be recorded. Only ever given
+-- the pid of the dispatcher's own connection.
+SELECT pg_terminate_backend(:pid)
+
+-- name: inbox_mark_hung
+UPDATE inbox SET
+    attempts = attempts + 1,
+    last_error = :error,
+    available_at = now() + make_interval(secs => :delay),
+    status = CASE WHEN attempts + 1 >= :max_attempts THEN 'dead' ELSE 'pending' END
+WHERE consumer = :consumer AND message_id = :id AND status = 'pending' AND attempts = :attempts
+RETURNING status
+
+-- name: lock_timeout
+SELECT set_config('lock_timeout', :timeout, true)

@@ -1,0 +1,85 @@
+-- The outbox daemon's queries (relay.db.session.OutboxSession, relay.db.store).
+-- Placeholders are :name, everywhere in relay.db (relay.db.queries).
+
+-- name: outbox_claim
+-- Claim due outbox rows in seq order, keeping per-key order:
+-- - the inner filter skips rows that wait behind an earlier row of their key
+--   which is not due yet (backoff, delay), has failed before (a key whose
+--   head failed goes head first and alone until the head is published or
+--   dead) or, under --on-dead block, is dead;
+-- - the outer filter marks rows `blocked` whose key has an earlier pending
+--   row that another relay holds right now: they stay pending, and the
+--   relay holding the key's head publishes them later.
+-- The workers of one relay split the keys between them by ranges of their
+-- hash (keyless rows by the hash of their id), so they never wait on each
+-- other; the pending index holds that hash, so a worker passes over the
+-- other workers' rows without reading them from the table. {dead} is the
+-- --on-dead policy (outbox_claim_dead_*); :limit is the batch size,
+-- :worker the worker and :workers how many there are.
+--
+-- Every pending row has seq >= `low`, the lowest pending seq in the
+-- statement's snapshot: the main scan and the per-key probes start there.
+-- Without it, each probe walked its key's index entries from the first:
+-- those of every row of the key finished since the last vacuum, dead but
+-- still in the index, so a message cost more the more had gone before it
+-- in a backlog (docs/backlog.md). Only `low` itself still walks the dead
+-- entries left of the lowest pending row, once per claim.
+WITH low AS MATERIALIZED (
+    SELECT coalesce(min(seq), 0) AS seq FROM outbox WHERE status = 'pending'
+), locked AS (
+    SELECT o.id, o.seq, o.topic, o.key, o.type, o.payload, o.headers, o.created_at, o.attempts
+    FROM outbox o
+    WHERE o.status = 'pending' AND o.seq >= (SELECT seq FROM low)
+      AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647)
+          >= (CAST(:worker AS bigint) << 31) / :workers
+      AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647)
+          < ((CAST(:worker AS bigint) + 1) << 31) / :workers
+      AND o.available_at <= now()
+      AND (o.key IS NULL OR (
+          NOT EXISTS (
+              SELECT 1 FROM outbox e
+              WHERE e.key = o.key AND e.seq >= (SELECT seq FROM low) AND e.seq < o.seq
+                AND e.status <> 'published' AND e.status <> 'dead'
+                AND (e.available_at > now() OR e.attempts > 0))
+          {dead}))
+    ORDER BY o.seq
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+SELECT l.id::text AS id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
+       l.headers::text AS headers, l.created_at, l.attempts,
+       l.key IS NOT NULL AND EXISTS (
+           SELECT 1 FROM outbox e
+           WHERE e.key = l.key AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
+             AND e.status <> 'published' AND e.status <> 'dead'
+             AND e.id NOT IN (SELECT id FROM locked)) AS blocked
+FROM locked l
+ORDER BY l.seq
+
+-- name: outbox_claim_dead_skip
+-- --on-dead skip: a dead row holds nothing back (an empty condition).
+
+-- name: outbox_claim_dead_block
+-- --on-dead block: a dead row holds back every later row of its key.
+AND NOT EXISTS (
+              SELECT 1 FROM outbox d
+              WHERE d.key = o.key AND d.seq < o.seq AND d.status = 'dead')
+
+-- name: outbox_mark_published
+UPDATE outbox SET status = 'published', published_at = now(), last_error = NULL
+WHERE id = ANY(:ids)
+
+-- name: outbox_mark_failed
+-- One statement for every failure of a batch. `permanent` rows (retrying
+-- cannot help) go dead at once; the rest wait `delay` seconds.
+UPDATE outbox AS o SET
+    attempts = o.attempts + 1,
+    last_error = f.error,
+    available_at = now() + make_interval(secs => f.delay),
+    status = CASE WHEN f.permanent OR o.attempts + 1 >= :max_attempts
+                  THEN 'dead' ELSE 'pending' END
+FROM unnest(CAST(:ids AS uuid[]), CAST(:errors AS text[]),
+            CAST(:delays AS float8[]), CAST(:permanent AS bool[]))
+     AS f(id, error, delay, permanent)
+WHERE o.id = f.id
+RETURNING o.id::text, o.status

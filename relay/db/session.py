@@ -1,0 +1,178 @@
+"""The outbox workers' own connections (OutboxSession), through plain psycopg."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import psycopg
+
+from relay.db import connect as pg
+from relay.db.errors import is_disconnect, is_driver_error, statement_gone, unavailable
+from relay.db.sql import claim, numbered, pyformat, query
+from relay.limits import clean_error
+from relay.rows import Failure, OutboxRow
+
+# On the outbox workers' connections (OutboxSession), where the planner
+# settings of PLAN_CLAIM hold for the session. Commits there need no flush
+# to disk (synchronous_commit off): all they record is that rows went out,
+# and a mark that a server crash loses only publishes those rows again
+# (at least once, same message id).
+OUTBOX_SESSION_OPTIONS = [
+    "-c enable_sort=off", "-c enable_bitmapscan=off", "-c enable_seqscan=off",
+    "-c synchronous_commit=off",
+]
+# The same settings for one transaction, where a pooler is between: jit
+# off too (see Store.session_options).
+_POOLED_SESSION = "; ".join(
+    "SET LOCAL " + option.removeprefix("-c ").replace("=", " = ")
+    for option in ["-c jit=off", *OUTBOX_SESSION_OPTIONS])
+_UUID_LIST = re.compile(r"[0-9a-fA-F,-]*").fullmatch
+# The prepared statements' parameters, in order: relay_claim(int, int, int)
+# and relay_mark(uuid[]).
+_CLAIM_PARAMETERS = ("limit", "worker", "workers")
+MARK_PUBLISHED = numbered(query("outbox_mark_published"), ["ids"])
+MARK_OUTBOX_FAILED = pyformat(query("outbox_mark_failed"))
+
+
+def _lost(exc: BaseException) -> bool:
+    # A statement gone from the session (a pooler between us and the
+    # server, say) is mended the same way as a lost connection: a new one.
+    return is_disconnect(exc) or statement_gone(exc)
+
+
+class OutboxSession:
+    """One outbox worker's own connection, on which a batch costs two round
+    trips (one before the publish, one after) of the simple protocol:
+
+        BEGIN; EXECUTE relay_claim(limit, worker, workers)
+        EXECUTE relay_mark('{ids}'); COMMIT
+
+    The statements are prepared once per connection. Through a pooled
+    SQLAlchemy connection the same batch took six (the pool's ping, psycopg's
+    BEGIN, the planner settings, claim, mark, COMMIT), and a round trip that
+    wakes an idle core is most of a quiet relay's latency from a commit to
+    its publish (docs/outbox.md). Opened on first use and after a
+    break; errors meaning the server went away become DatabaseUnavailable.
+    """
+
+    def __init__(self, conninfo: str, options: Sequence[str], on_dead: str) -> None:
+        self.conninfo = conninfo
+        self.options = " ".join([*options, *OUTBOX_SESSION_OPTIONS])
+        self.on_dead = on_dead
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        # Behind a pooler (see relay.db.connect): no PREPARE and no session
+        # settings; each batch says its statements and SET LOCALs in full,
+        # in the same two round trips.
+        self.pooled = False
+        self._claim_sql = numbered(claim("outbox", on_dead), _CLAIM_PARAMETERS)
+
+    async def claim(
+        self, limit: int, worker: int = 0, workers: int = 1
+    ) -> tuple[list[OutboxRow], int]:
+        """Begin a batch's transaction and lock due rows of this worker's
+        share of the keys; returns the publishable ones and how many wait on
+        another relay's rows of their key. finish() or abort() must follow."""
+        async with self._errors():
+            conn = await self._connect()
+            cursor = conn.cursor()
+            args = [str(int(limit)), str(int(worker)), str(int(workers))]
+            if self.pooled:
+                claim = _POOLED_SESSION + "; " + re.sub(
+                    r"\$(\d+)", lambda m: args[int(m[1]) - 1], self._claim_sql)
+            else:
+                claim = f"EXECUTE relay_claim({', '.join(args)})"
+            await cursor.execute(f"BEGIN; {claim}")
+            while cursor.nextset():  # to the claim's rows, after the SETs
+                pass
+            rows, blocked = [], 0
+            for *fields, is_blocked in await cursor.fetchall():
+                if is_blocked:
+                    blocked += 1
+                else:
+                    rows.append(OutboxRow(*fields))
+            return rows, blocked
+
+    async def finish(
+        self,
+        published: Sequence[str],
+        failures: Sequence[tuple[OutboxRow, Failure, float]] = (),
+        max_attempts: int = 1,
+    ) -> dict[str, str]:
+        """Mark the batch's rows and commit; returns each failed row's new status."""
+        async with self._errors():
+            conn = await self._connect()
+            statuses: dict[str, str] = {}
+            if failures:
+                cursor = await conn.execute(MARK_OUTBOX_FAILED, {
+                    "ids": [row.id for row, _, _ in failures],
+                    "errors": [clean_error(f.error) for _, f, _ in failures],
+                    "delays": [delay for _, _, delay in failures],
+                    "permanent": [f.permanent for _, f, _ in failures],
+                    "max_attempts": max_attempts,
+                })
+                statuses = dict(await cursor.fetchall())
+            # The ids the claim returned: UUIDs, which need no quoting.
+            ids = ",".join(published)
+            if not _UUID_LIST(ids):
+                raise ValueError(f"not a list of UUIDs: {ids[:80]!r}")
+            if not ids:
+                await conn.execute("COMMIT")
+            elif self.pooled:
+                await conn.execute(MARK_PUBLISHED.replace("$1", f"'{{{ids}}}'::uuid[]")
+                                   + "; COMMIT")
+            else:
+                await conn.execute(f"EXECUTE relay_mark('{{{ids}}}'); COMMIT")
+            return statuses
+
+    async def abort(self) -> None:
+        """Roll back the batch (its rows stay pending); never raises."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        try:
+            await conn.rollback()
+        except Exception:
+            await self.close()
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed:
+            # prepare_threshold=None: psycopg answers a ROLLBACK with
+            # DEALLOCATE ALL once it has prepared statements of its own,
+            # which would take ours along.
+            conn, self.pooled = await pg.connect_detecting(
+                self.conninfo, options=self.options, prepare_threshold=None)
+            if self.pooled:
+                self._conn = conn
+                return conn
+            try:
+                await conn.execute(
+                    "PREPARE relay_claim(int, int, int) AS " + self._claim_sql
+                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED)
+            except BaseException:
+                await conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    @contextlib.asynccontextmanager
+    async def _errors(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            # Cancelled or broken mid-statement, the connection is in no
+            # known state: start again on a new one.
+            error = unavailable(exc, _lost) if isinstance(exc, Exception) else None
+            if error is not None or not is_driver_error(exc):
+                await self.close()
+            if error is not None:
+                raise error from exc
+            raise

@@ -1,0 +1,414 @@
+"""PostgreSQL through SQLAlchemy: the daemons' and commands' pooled engines.
+
+Store holds an async engine (and, for a dispatcher whose handlers are all
+sync, a sync one) and runs the named queries of relay/db/queries/ on them:
+the inbox claim and marks, the hung-handler watchdog, retry, status, dead
+keys, the schema check. Values travel as bound parameters. Errors pass
+through relay.db.errors.translate_errors, so the loops see
+DatabaseUnavailable when the server went away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import orjson
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from relay.config import redact_url
+from relay.db import connect as pg
+from relay.db import schema
+from relay.db.errors import failed_command, translate_errors
+from relay.db.session import OutboxSession
+from relay.db.sql import claim, query
+from relay.limits import clean_error
+from relay.rows import Failure, InboxRow
+
+NOTIFY_OUTBOX = "relay_outbox"
+NOTIFY_INBOX = "relay_inbox"
+TABLES = ("outbox", "inbox")
+
+STATUSES = {
+    "outbox": ("pending", "published", "dead"),
+    "inbox": ("pending", "processed", "dead"),
+}
+
+# The planner settings around a claim (SET LOCAL: they end with the
+# transaction); see queries/session.sql.
+PLAN_CLAIM = query("plan_claim")
+UNPLAN_CLAIM = query("unplan_claim")
+
+
+def statement(sql: str) -> sa.TextClause:
+    """A statement assembled at run time from fixed fragments (relay.dead's
+    filters); its values are bound parameters like every other's."""
+    return sa.text(sql)
+
+
+@functools.cache
+def named(name: str) -> sa.TextClause:
+    """The named query (relay.db.sql) as a SQLAlchemy statement, made once."""
+    return sa.text(query(name))
+
+
+class Savepoint:
+    """One named savepoint of a transaction, set and rolled back through libpq.
+
+    Set on the driver connection, it is left open into the next set(), and
+    moving it on (RELEASE, then SAVEPOINT again) is one round trip of one
+    simple-protocol query: SQLAlchemy's begin_nested takes two, and with its
+    statement overhead cost more than a one-INSERT handler itself.
+    COMMIT ends whatever savepoint is still open. The commands go straight to
+    libpq (PQexec, which lets go of the GIL while it waits): through a
+    psycopg cursor each would cost more client CPU (docs/inbox.md)."""
+
+    def __init__(self, pgconn: Any, name: str) -> None:
+        self._pgconn = pgconn
+        self._set = query(f"savepoint_{name}_set")
+        self._move = query(f"savepoint_{name}_move")
+        self._undo = query(f"savepoint_{name}_undo")
+        self._release = query(f"savepoint_{name}_release")
+        self._open = False
+
+    def set(self) -> None:
+        """A fresh savepoint: what ran before it stays, whatever runs next."""
+        self._exec(self._move if self._open else self._set)
+        self._open = True
+
+    def undo(self) -> None:
+        """Roll back what ran since the last set()."""
+        self._exec(self._undo)
+
+    def release(self) -> None:
+        """End the savepoint (and any set after it), keeping what ran."""
+        if self._open:
+            self._exec(self._release)
+            self._open = False
+
+    def _exec(self, command: str) -> None:
+        result = self._pgconn.exec_(command.encode())
+        if result.status == psycopg.pq.ExecStatus.COMMAND_OK:
+            return
+        message = (result.error_message or self._pgconn.error_message).decode(errors="replace")
+        raise failed_command(command, message,
+                             connection_bad=self._pgconn.status == psycopg.pq.ConnStatus.BAD)
+
+
+class HandlerSavepoints:
+    """The savepoints of one batch's transaction (see Dispatcher._run_handlers):
+    `batch` for many handlers at once, `handler` around one handler run.
+
+    They are set on the connection of a sync Connection: psycopg's own on
+    the sync engine; on the async engine (inside run_sync) that of the
+    dispatcher's event loop, which is idle while a handler's batch runs."""
+
+    def __init__(self, driver_connection: Any) -> None:
+        self._pgconn = driver_connection.pgconn
+        self.batch = Savepoint(self._pgconn, "batch")
+        self.handler = Savepoint(self._pgconn, "handler")
+
+    def release(self) -> None:
+        """End the savepoints before the batch's marks, so that the marks run
+        in the transaction itself. A row this transaction locked (the claim's
+        FOR UPDATE) and then updated from inside a savepoint gets a MultiXact
+        as its xmax, and an index scan never takes a MultiXact's row version
+        for surely dead: its entries in the pending and per-key indexes stay
+        live for every claim to visit in the heap until a vacuum, and the
+        claim's walk to the lowest pending row grows through a backlog
+        (docs/backlog.md). One round trip a batch."""
+        if self.batch._open:
+            self.batch.release()  # ends relay_handler too, if set after it
+            self.handler._open = False
+        self.handler.release()
+
+    def aborted(self) -> bool:
+        """Did a statement fail in the transaction (no round trip)?"""
+        return self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR
+
+
+def _as_list(value: str | tuple[str, ...] | None) -> list[str]:
+    """A URL query parameter's values (it may be absent or repeated)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _keep_no_session_state_behind_a_pooler(engine: sa.Engine) -> None:
+    """On each new connection of `engine`, find out whether a pooler is
+    between (relay.db.connect); if so, psycopg prepares no statement on it,
+    and backend_pid() knows no pid for it. A pooler that refuses the
+    `options` startup parameter is asked again without them."""
+
+    @sa.event.listens_for(engine, "do_connect")
+    def connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+        try:
+            return dialect.connect(*cargs, **cparams)
+        except psycopg.OperationalError as exc:
+            if "options" not in cparams or not pg.refused_options(exc):
+                raise
+            return dialect.connect(*cargs, **{k: v for k, v in cparams.items()
+                                              if k != "options"})
+
+    @sa.event.listens_for(engine, "connect")
+    def detect(dbapi_connection: Any, record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(pg.BACKEND_PID)
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+        dbapi_connection.rollback()
+        # psycopg's own (sync engine) or under SQLAlchemy's async adapter
+        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+        pooled = pg.pooled_pid(driver.info.backend_pid, row[0] if row else None)
+        record.info["relay_pooled"] = pooled
+        if pooled:
+            driver.prepare_threshold = None
+            pg.noticed_pooler()
+
+
+class Store:
+    """The relay's view of PostgreSQL: an async engine and named queries."""
+
+    def __init__(self, database_url: str, *, pool_size: int = 5, sync: bool = False) -> None:
+        self.url = sa.make_url(database_url)
+        # JIT compiles the claim for far longer than the claim runs without
+        # it, because its cost estimate is large (docs/outbox.md). Options given in the URL
+        # (`?options=-csearch_path%3Dapp`) are kept.
+        self.session_options = [*_as_list(self.url.query.get("options")), "-c jit=off"]
+        options: dict[str, Any] = {
+            "pool_size": pool_size,
+            "max_overflow": pool_size,
+            "pool_pre_ping": True,
+            "pool_recycle": 3600,
+            "connect_args": {
+                "connect_timeout": pg.CONNECT_TIMEOUT, "application_name": pg.APPLICATION_NAME,
+                "options": " ".join(self.session_options),
+            },
+        }
+        self.engine: AsyncEngine = create_async_engine(self.url, **options)
+        # The same database through psycopg's blocking connection, for a
+        # dispatcher whose handlers are all sync (see relay.inbox.Dispatcher).
+        self.sync_engine: sa.Engine | None = (
+            sa.create_engine(self.url, **options) if sync else None
+        )
+        for engine in (self.engine.sync_engine, self.sync_engine):
+            if engine is not None:
+                _keep_no_session_state_behind_a_pooler(engine)
+        self._claim_inbox = {
+            policy: sa.text(claim("inbox", policy)) for policy in ("skip", "block")
+        }
+
+    def __repr__(self) -> str:
+        return f"Store({redact_url(str(self.url))!r})"
+
+    @property
+    def conninfo(self) -> str:
+        """A libpq URL for plain psycopg connections (LISTEN)."""
+        return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+        if self.sync_engine is not None:
+            self.sync_engine.dispose()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        """A connection in a transaction: committed on success, rolled back on error."""
+        with translate_errors():
+            async with self.engine.begin() as conn:
+                yield conn
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConnection]:
+        """A connection outside an explicit transaction (reads)."""
+        with translate_errors():
+            async with self.engine.connect() as conn:
+                yield conn
+
+    @contextlib.contextmanager
+    def sync_transaction(self) -> Iterator[sa.Connection]:
+        """transaction() on the sync engine (a Store made with sync=True)."""
+        assert self.sync_engine is not None, "a Store(sync=True) has a sync engine"
+        with translate_errors(), self.sync_engine.begin() as conn:
+            yield conn
+
+    async def notify(self, channel: str, payload: str) -> None:
+        """A notification on `channel`, sent through the database URL."""
+        async with self.transaction() as conn:
+            await conn.execute(named("notify"), {"channel": channel, "payload": payload})
+
+    async def ping(self) -> None:
+        async with self.connection() as conn:
+            await conn.execute(named("ping"))
+
+    async def check_schema(self) -> None:
+        """SchemaError unless the tables exist at the version this relay knows."""
+        async with self.connection() as conn:
+            version = None
+            if await conn.scalar(named("schema_table_exists")):
+                version = await conn.scalar(schema.CHECK_VERSION_SQL)
+        schema.check_version(version)
+
+    async def apply_schema(self) -> list[str]:
+        """Create or upgrade the tables; returns the names of the files applied."""
+        async with self.transaction() as conn:
+            return await conn.run_sync(schema.apply)
+
+    # -- outbox --------------------------------------------------------------
+
+    def outbox_session(self, on_dead: str) -> OutboxSession:
+        """A connection of its own for one outbox worker (see OutboxSession)."""
+        return OutboxSession(self.conninfo, self.session_options, on_dead)
+
+    # -- inbox -----------------------------------------------------------------
+
+    # The dispatcher's batch is sync code, run on a sync Connection of either
+    # engine (inside AsyncConnection.run_sync on the async one): these take one.
+
+    def claim_inbox(
+        self, conn: sa.Connection, consumer: str, limit: int, on_dead: str,
+        worker: int = 0, workers: int = 1,
+    ) -> tuple[list[InboxRow], int]:
+        """Lock due rows of a consumer, of this worker's share of the keys;
+        returns the dispatchable ones and how many wait on rows of their key
+        held by another dispatcher."""
+        params = {"consumer": consumer, "limit": limit, "worker": worker, "workers": workers}
+        with translate_errors():
+            conn.exec_driver_sql(PLAN_CLAIM)
+            result = conn.execute(self._claim_inbox[on_dead], params)
+            # Handlers share this transaction: give them the default planner.
+            conn.exec_driver_sql(UNPLAN_CLAIM)
+            rows, blocked = [], 0
+            for *fields, is_blocked in result:
+                if is_blocked:
+                    blocked += 1
+                else:
+                    rows.append(InboxRow(*fields))
+            return rows, blocked
+
+    def mark_processed(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
+        if ids:
+            with translate_errors():
+                conn.execute(named("inbox_mark_processed"),
+                             {"consumer": consumer, "ids": orjson.dumps(list(ids)).decode()})
+
+    def mark_inbox_failed(
+        self,
+        conn: sa.Connection,
+        consumer: str,
+        failures: Sequence[tuple[InboxRow, Failure, float]],
+        max_attempts: int,
+    ) -> dict[str, str]:
+        """Record failed handler runs; returns each row's new status."""
+        if not failures:
+            return {}
+        params = {
+            "consumer": consumer,
+            "ids": [row.message_id for row, _, _ in failures],
+            "errors": [clean_error(f.error) for _, f, _ in failures],
+            "delays": [delay for _, _, delay in failures],
+            "permanent": [f.permanent for _, f, _ in failures],
+            "max_attempts": max_attempts,
+        }
+        with translate_errors():
+            result = conn.execute(named("inbox_mark_failed"), params)
+            # Not dict(result): a Result has keys() (its column names), so
+            # dict() would take it for a mapping.
+            return {row_id: status for row_id, status in result}  # noqa: C416
+
+    async def fail_hung_handler(
+        self, pid: int | None, consumer: str, row: InboxRow, error: str, delay: float,
+        max_attempts: int,
+    ) -> str | None:
+        """End the transaction of a hung handler (backend `pid`: the
+        dispatcher's own connection), then record its failed attempt; the
+        UPDATE waits for the row lock the ended transaction held, and does
+        nothing if the row was finished meanwhile. Returns the new status."""
+        params = {"consumer": consumer, "id": row.message_id, "attempts": row.attempts,
+                  "error": error, "delay": delay, "max_attempts": max_attempts}
+        async with self.transaction() as conn:
+            await conn.execute(named("lock_timeout"), {"timeout": "10s"})
+            if pid is not None:
+                await conn.execute(named("terminate_backend"), {"pid": pid})
+            return await conn.scalar(named("inbox_mark_hung"), params)
+
+    async def retry(
+        self, table: str, *, ids: Sequence[str], all_dead: bool, consumer: str | None
+    ) -> int:
+        """Dead (or the given) rows back to pending with attempts reset; wakes the daemons."""
+        async with self.transaction() as conn:
+            return await retry_in(conn, table, ids=ids, all_dead=all_dead, consumer=consumer)
+
+    # -- status --------------------------------------------------------------
+
+    async def status(self) -> dict[str, dict[str, Any]]:
+        """Counts per status and the oldest pending age, for both tables."""
+        report: dict[str, dict[str, Any]] = {}
+        async with self.connection() as conn:
+            for table, statuses in STATUSES.items():
+                counts = dict.fromkeys(statuses, 0)
+                for status, count in await conn.execute(named(f"status_counts_{table}")):
+                    counts[status] = count
+                age = await conn.scalar(named(f"oldest_pending_{table}"))
+                report[table] = {**counts, "oldest_pending_seconds": age}
+        return report
+
+    async def dead_keys(
+        self, limit: int = 20
+    ) -> dict[str, list[tuple[str | None, list[str], int]]]:
+        """Per table: (consumer or None, the first `limit` keys with a dead
+        row, how many such keys there are), for `relay status`."""
+        report: dict[str, list[tuple[str | None, list[str], int]]] = {}
+        async with self.connection() as conn:
+            for table in TABLES:
+                scopes: dict[str | None, tuple[list[str], int]] = {}
+                result = await conn.execute(named(f"dead_keys_{table}"), {"limit": limit})
+                for consumer, key, total in result:
+                    keys, _ = scopes.setdefault(consumer, ([], total))
+                    keys.append(key)
+                report[table] = [(c, keys, total) for c, (keys, total) in scopes.items()]
+        return report
+
+    def inbox_body(self, conn: sa.Connection, consumer: str, message_id: str) -> bytes | None:
+        """The raw body kept for an inbox row whose body was not JSON."""
+        with translate_errors():
+            body = conn.execute(named("inbox_body"),
+                                {"consumer": consumer, "id": message_id}).scalar()
+        return bytes(body) if body is not None else None
+
+    def handler_savepoints(self, conn: sa.Connection) -> HandlerSavepoints:
+        """Savepoints for the handlers of the batch in `conn`'s transaction."""
+        return HandlerSavepoints(conn.connection.driver_connection)
+
+    def backend_pid(self, conn: sa.Connection) -> int | None:
+        """The PostgreSQL backend pid of a connection in a transaction (no
+        round trip). Behind a pooler, which gives its clients a made-up pid,
+        one round trip asks the server process that holds the transaction
+        (in transaction mode another may hold the next)."""
+        if conn.connection.info.get("relay_pooled"):
+            with translate_errors():
+                pid = conn.exec_driver_sql(pg.BACKEND_PID).scalar()
+            return int(pid) if pid is not None else None
+        info = getattr(conn.connection.driver_connection, "info", None)
+        return getattr(info, "backend_pid", None)
+
+
+async def retry_in(
+    conn: AsyncConnection, table: str, *, ids: Sequence[str], all_dead: bool,
+    consumer: str | None = None,
+) -> int:
+    """The retry of `relay retry` in the caller's transaction: dead (or the
+    given) rows back to pending with attempts reset, then a wake-up for the
+    daemons; returns how many rows."""
+    params: dict[str, Any] = {"ids": list(ids), "all_dead": all_dead}
+    if table == "inbox":
+        params["consumer"] = consumer
+    result = await conn.execute(named(f"retry_{table}"), params)
+    await conn.execute(named("notify_wake"), {"channel": f"relay_{table}"})
+    return result.rowcount

@@ -1,0 +1,83 @@
+"""The inbox receiver's writer: one INSERT per received batch, through psycopg.
+
+It runs in the receiver's child process (relay.receiver_process), which loads no
+SQLAlchemy: this module, relay.db.sql, relay.db.connect and relay.db.errors
+import none either (tests/test_db.py checks).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import psycopg
+
+from relay.db import connect as pg
+from relay.db.errors import Refused, any_driver_error, unavailable
+from relay.db.sql import pyformat, query
+from relay.errors import DatabaseUnavailable
+from relay.rows import NewInboxRow
+
+INSERT_INBOX = pyformat(query("inbox_insert"))
+
+
+def rows_json(batch: Sequence[NewInboxRow]) -> str:
+    """A received batch as the JSON array INSERT_INBOX reads. Payloads and
+    headers are JSON texts already (checked when received): they go in as
+    they are."""
+    return orjson.dumps([
+        {
+            "message_id": m.message_id, "topic": m.topic, "key": m.key, "type": m.type,
+            "payload": None if m.payload is None else orjson.Fragment(m.payload),
+            "body": None if m.body is None else base64.b64encode(m.body).decode(),
+            "headers": orjson.Fragment(m.headers), "status": m.status,
+            "last_error": m.last_error,
+            # As a string: json_to_recordset would unescape a nested \u0000.
+            "raw_properties": m.raw_properties,
+        }
+        for m in batch
+    ]).decode()
+
+
+class InboxWriter:
+    """Inserts received batches on one autocommit connection of psycopg's
+    (one statement, one round trip), opened on first use and after a break."""
+
+    def __init__(self, database_url: str) -> None:
+        self.conninfo = pg.libpq_url(database_url)
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
+        """Insert a batch; returns the ids that were new. Raises Refused for a
+        value PostgreSQL will not take, DatabaseUnavailable when it is away."""
+        if not batch:
+            return set()
+        try:
+            params = {"consumer": consumer, "rows": rows_json(batch)}
+        except (orjson.JSONEncodeError, TypeError, ValueError) as exc:  # cannot happen
+            raise Refused(f"the row could not be encoded: {exc}") from exc
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = await pg.connect(self.conninfo)
+            cursor = await self._conn.execute(INSERT_INBOX, params)
+            return {row[0] for row in await cursor.fetchall()}
+        except Exception as exc:
+            # Any failure but a refused value is the server's or the
+            # connection's (gone, read only, out of disk): close the
+            # connection, raise DatabaseUnavailable, and the batch waits,
+            # unacknowledged.
+            error = unavailable(exc, any_driver_error)
+            if error is None:
+                raise
+            if isinstance(error, DatabaseUnavailable):
+                await self.close()
+            raise error from exc
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
