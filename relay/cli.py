@@ -36,7 +36,7 @@ def option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(flag, *names, envvar=_envvar(flag), **kwargs)
 
 
-class Duration(click.ParamType):
+class Duration(click.ParamType):  # type: ignore[type-arg]
     name = "duration"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:

@@ -65,7 +65,7 @@ def _insert(
 
 # The same INSERT for connections outside SQLAlchemy (psycopg 3, Django):
 # compiled once per call for psycopg's placeholders, JSON as psycopg's Jsonb.
-_DIALECT = postgresql_psycopg.dialect()
+_DIALECT = postgresql_psycopg.dialect()  # type: ignore[no-untyped-call]
 
 
 def _dbapi(statement: sa.Insert) -> tuple[str, dict[str, Any]]:

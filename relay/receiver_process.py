@@ -145,7 +145,9 @@ async def _receive(reader: asyncio.StreamReader) -> ToChild | ToParent | None:
     """The next message, or None when the other end has gone."""
     try:
         head = await reader.readexactly(4)
-        return pickle.loads(await reader.readexactly(int.from_bytes(head, "big")))
+        message: ToChild | ToParent = pickle.loads(
+            await reader.readexactly(int.from_bytes(head, "big")))
+        return message
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
 

@@ -62,7 +62,9 @@ def setup(service: str) -> bool:
             "OTEL_RESOURCE_ATTRIBUTES", ""):
         attributes["service.name"] = service
     try:
-        _OTelSDKConfigurator().configure(resource_attributes=attributes)
+        configurator = _OTelSDKConfigurator()  # type: ignore[no-untyped-call]
+        configurator.configure(  # type: ignore[no-untyped-call]
+            resource_attributes=attributes)
     except Exception as exc:  # an unknown exporter name, say: tracing is not worth a crash
         log.warning("OpenTelemetry could not be configured from OTEL_* (%s: %s): "
                     "no spans are exported", type(exc).__name__, exc)

@@ -28,7 +28,6 @@ from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
 
 from relay.brokers import (
-    BadMessage,
     Incoming,
     Outcome,
     PublishResult,
@@ -42,7 +41,7 @@ from relay.brokers import (
 from relay.brokers.aiormq_internals import ConfirmFrame, Returning
 from relay.brokers.amqp_wire import publish_frames, shortstr
 from relay.config import redact_url
-from relay.errors import BrokerUnavailable, ConfigError
+from relay.errors import BadMessage, BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,6 @@ import orjson
 from botocore.config import Config
 
 from relay.brokers import (
-    BadMessage,
     Incoming,
     Outcome,
     PublishResult,
@@ -44,7 +43,7 @@ from relay.brokers import (
     row_headers,
 )
 from relay.config import BrokerURL, redact_url
-from relay.errors import BrokerUnavailable, ConfigError
+from relay.errors import BadMessage, BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
 
 log = logging.getLogger(__name__)

@@ -128,7 +128,7 @@ class HandlerSavepoints:
 
     def aborted(self) -> bool:
         """Did a statement fail in the transaction (no round trip)?"""
-        return self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR
+        return bool(self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR)
 
 
 def _as_list(value: str | tuple[str, ...] | None) -> list[str]:
@@ -336,7 +336,8 @@ class Store:
             await conn.execute(named("lock_timeout"), {"timeout": "10s"})
             if pid is not None:
                 await conn.execute(named("terminate_backend"), {"pid": pid})
-            return await conn.scalar(named("inbox_mark_hung"), params)
+            status: str | None = await conn.scalar(named("inbox_mark_hung"), params)
+            return status
 
     async def retry(
         self, table: str, *, ids: Sequence[str], all_dead: bool, consumer: str | None
