@@ -103,7 +103,7 @@ class AmqpPort:
         self.rabbit = rabbit
         self.proxy = proxy
         parts = urllib.parse.urlsplit(AMQP_URL)
-        self.url = parts._replace(netloc=f"{parts.netloc.rsplit(':', 1)[0]}:{proxy.port}").geturl()
+        self.url = f"amqp://{parts.username}:{parts.password}@127.0.0.1:{proxy.port}{parts.path}"
 
     def topic(self, base: str, *, ordered: bool = False) -> str:
         return base  # the exchange is the test's own

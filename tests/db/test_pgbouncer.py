@@ -24,7 +24,12 @@ import sqlalchemy as sa
 import relay
 from relay.rows import Failure
 from relay.store import Store
-from tests.conftest import PG_HOST, PG_PORT, PG_USER, insert_outbox, rows, wait_until
+from tests.conftest import PG_HOST, PG_PORT, PG_USER, Rabbit, insert_outbox, rows, wait_until
+from tests.e2e.test_brokers import (  # noqa: F401
+    AmqpBroker,
+    test_kill_9_of_the_outbox_mid_stream_loses_nothing,
+    test_per_key_order_holds_with_three_relays,
+)
 from tests.e2e.test_faults import (  # noqa: F401
     open_transactions,
     test_other_keys_flow_while_a_key_waits_for_an_open_transaction,
@@ -44,12 +49,10 @@ from tests.inbox.test_inbox import (  # noqa: F401
 )
 from tests.outbox.test_outbox import (  # noqa: F401
     test_dead_row_policy_skip_lets_the_key_go_on_and_block_holds_it,
-    test_kill_9_mid_stream_loses_nothing,
     test_notify_publishes_a_new_row_without_waiting_for_the_poll,
     test_once_drains_a_backlog_and_marks_everything,
     test_once_publishes_with_the_contract_wire_format,
     test_sigterm_exits_zero_and_leaves_nothing_half_done,
-    test_three_relays_keep_per_key_order_over_60_keys,
 )
 from tests.pgbouncer import PgBouncer
 
@@ -67,6 +70,12 @@ def pgbouncer(request: pytest.FixtureRequest) -> Iterator[PgBouncer]:
     bouncer = PgBouncer(request.param, PG_HOST, PG_PORT, PG_USER)
     yield bouncer
     bouncer.stop()
+
+
+@pytest.fixture
+def broker(rabbit: Rabbit) -> AmqpBroker:
+    """RabbitMQ, for the end-to-end broker tests run here through PgBouncer."""
+    return AmqpBroker(rabbit)
 
 
 @pytest.fixture

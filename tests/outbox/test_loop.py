@@ -270,3 +270,20 @@ async def test_an_unreachable_broker_is_retried_and_counts_no_attempt(
         await loop.__aexit__()
     assert message.message_id == str(message_id)
     assert rows(engine, "SELECT status, attempts FROM outbox") == [("published", 0)]
+
+
+async def test_a_blocked_broker_holds_publishing_without_claiming_or_counting(
+    engine, database, monkeypatch
+):
+    async with LoopRelay(database, monkeypatch) as loop:
+        loop.broker.block("memory alarm")
+        insert_outbox(engine, 3, topic="blocked")
+        await asyncio.sleep(0.3)
+        assert loop.publisher.blocked == "memory alarm"
+        assert loop.broker.take("all") == []
+        assert rows(engine, "SELECT status, attempts, count(*) FROM outbox GROUP BY 1, 2") == [
+            ("pending", 0, 3)]
+        loop.broker.unblock()
+        assert len(await loop.received(3)) == 3
+        await loop.settled()
+    assert rows(engine, "SELECT status, count(*) FROM outbox GROUP BY 1") == [("published", 3)]
