@@ -19,10 +19,10 @@ completely, with what the port promises and no more:
 
 Faults are injected on the broker, for every client at once:
 
-- `nack(when)`: the broker rejects the messages `when(row)` is true for
-  (Failure "rejected by the memory broker (nack)"); `nack(None)` stops.
-- `return_(when)`: the messages `when(row)` is true for come back
-  unroutable although a queue is bound; `return_(None)` stops.
+- `nack_when(when)`: the broker rejects the messages `when(row)` is true for
+  (Failure "rejected by the memory broker (nack)"); `nack_when(None)` stops.
+- `return_when(when)`: the messages `when(row)` is true for come back
+  unroutable although a queue is bound; `return_when(None)` stops.
 - `slow_confirms(seconds)`: every publish waits this long for its confirms.
 - `disconnect(after=0)`: the connections break now (after=0) or once `after`
   more messages were confirmed, mid-batch: the rest of that batch is
@@ -146,12 +146,12 @@ class MemoryBroker:
 
     # -- faults ---------------------------------------------------------
 
-    def nack(self, when: RowTest | None) -> None:
-        """Reject (nack) the rows `when` is true for, until nack(None)."""
+    def nack_when(self, when: RowTest | None) -> None:
+        """Reject (nack) the rows `when` is true for, until nack_when(None)."""
         self._nack = when
 
-    def return_(self, when: RowTest | None) -> None:
-        """Return (unroutable) the rows `when` is true for, until return_(None)."""
+    def return_when(self, when: RowTest | None) -> None:
+        """Return (unroutable) the rows `when` is true for, until return_when(None)."""
         self._return = when
 
     def slow_confirms(self, seconds: float) -> None:

@@ -64,7 +64,7 @@ class MemoryPort:
 
     async def refuse(self, publisher: Publisher, topic: str) -> str:
         """A topic whose messages the broker rejects (nacks); it has a destination."""
-        self.broker.nack(lambda row: row.topic == topic + "-refused")
+        self.broker.nack_when(lambda row: row.topic == topic + "-refused")
         await self.destination(topic + "-refused")
         return topic + "-refused"
 

@@ -226,7 +226,7 @@ async def test_what_is_not_acknowledged_is_delivered_again_and_what_is_is_not(po
         await again.ack(redelivered)
         assert {m.message_id for m in redelivered} == {m.message_id for m in got[2:]}
         with pytest.raises(TimeoutError):
-            await collect(again, 1, timeout=1.5)
+            await collect(again, 1, timeout=0.5)
     finally:
         await again.close()
 

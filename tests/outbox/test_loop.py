@@ -184,7 +184,7 @@ async def test_a_nack_fails_only_its_row_with_backoff_and_its_batch_mates_are_pu
     engine, database, monkeypatch
 ):
     async with LoopRelay(database, monkeypatch, backoff_min=30, backoff_max=60) as loop:
-        loop.broker.nack(lambda row: row.topic == "refused")
+        loop.broker.nack_when(lambda row: row.topic == "refused")
         with engine.begin() as conn:
             ok_1 = relay.enqueue(conn, "ok", {"n": 1})
             bad = relay.enqueue(conn, "refused", {"n": 2})
@@ -204,7 +204,7 @@ async def test_a_return_is_published_and_counted_or_under_fail_dies_at_max_attem
     with engine.begin() as conn:
         counted = relay.enqueue(conn, "nowhere.a", {"n": 1})
     loop = LoopRelay(database, monkeypatch)
-    loop.broker.return_(lambda row: row.topic.startswith("nowhere"))
+    loop.broker.return_when(lambda row: row.topic.startswith("nowhere"))
     async with loop:
         assert 'relay_outbox_unroutable_total{topic="nowhere.a"} 1.0' in (
             loop.relay.metrics.render().decode())
@@ -214,7 +214,7 @@ async def test_a_return_is_published_and_counted_or_under_fail_dies_at_max_attem
         failed = relay.enqueue(conn, "nowhere.b", {"n": 2})
     settings = {"backoff_min": 30, "backoff_max": 60, "max_attempts": 2}
     loop = LoopRelay(database, monkeypatch, on_unroutable="fail", **settings)
-    loop.broker.return_(lambda row: row.topic.startswith("nowhere"))
+    loop.broker.return_when(lambda row: row.topic.startswith("nowhere"))
     async with loop:
         status, attempts, error, delay = outcome(engine)[failed]
         assert (status, attempts) == ("pending", 1)
