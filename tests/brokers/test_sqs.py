@@ -28,7 +28,7 @@ from relay.brokers.sqs import (
     to_incoming,
 )
 from relay.config import BrokerURL
-from relay.store import OutboxRow
+from relay.rows import OutboxRow
 from tests.conftest import HANDLERS, rows, wait_until
 
 

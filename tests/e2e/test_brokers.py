@@ -81,12 +81,18 @@ class SqsCollector:
         for thread in self.threads:
             thread.join(10)
 
+    def distinct(self) -> int:
+        """How many different messages (by relay's message id) arrived so far."""
+        return len({SqsBroker.received(m).message_id for m in list(self.messages)})
+
     async def wait(self, count: int, timeout: float = 60) -> list[Received]:
+        """Every message arrived at least once (counted by id: after a kill,
+        duplicates alone could make up the number), and what followed it."""
         deadline = time.monotonic() + timeout
-        while len(self.messages) < count:
+        while self.distinct() < count:
             if time.monotonic() > deadline:
                 self.stop()
-                raise AssertionError(f"got {len(self.messages)} of {count} messages "
+                raise AssertionError(f"got {self.distinct()} of {count} messages "
                                      f"in {timeout}s")
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.5)  # duplicates still on their way
