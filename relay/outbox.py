@@ -80,6 +80,13 @@ class OutboxRelay:
             if worker == scout or worker not in self._idle:
                 event.set()
 
+    @property
+    def settled(self) -> bool:
+        """Read-only: every worker waits for a notification (or the poll) and
+        none has been woken, so the relay holds no rows and claims nothing
+        until something wakes it. For tests that wait for a quiet relay."""
+        return len(self._idle) == WORKERS and not any(e.is_set() for e in self._wakeups.values())
+
     def _wake_idle(self) -> None:
         """A batch came back full: more rows wait, the idle workers help."""
         for worker in self._idle:

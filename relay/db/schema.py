@@ -1,6 +1,6 @@
 """The schema: SQLAlchemy Core tables that mirror schema/*.sql, and applying it.
 
-The SQL files are the source of truth; `tests/test_schema.py` proves the
+The SQL files are the source of truth; `tests/db/test_schema.py` proves the
 tables below describe what they create. Files are applied in order, each
 recorded in `relay_schema_version`, in one transaction under an advisory
 lock, so several pods may run `relay schema apply` at once.

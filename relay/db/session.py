@@ -143,6 +143,12 @@ class OutboxSession:
             with contextlib.suppress(Exception):
                 await conn.close()
 
+    @property
+    def connection(self) -> psycopg.AsyncConnection[Any] | None:
+        """The worker's open connection, None before the first claim and
+        after a break: to inspect its settings, not to run batches on."""
+        return self._conn
+
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
             # prepare_threshold=None: psycopg answers a ROLLBACK with

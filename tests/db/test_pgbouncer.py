@@ -24,17 +24,21 @@ import sqlalchemy as sa
 import relay
 from relay.db import Store
 from relay.rows import Failure
-from tests.conftest import PG_HOST, PG_PORT, PG_USER, insert_outbox, rows, wait_until
-from tests.pgbouncer import PgBouncer
-from tests.test_faults import (  # noqa: F401
+from tests.conftest import PG_HOST, PG_PORT, PG_USER, Rabbit, insert_outbox, rows, wait_until
+from tests.e2e.test_brokers import (  # noqa: F401
+    AmqpBroker,
+    test_kill_9_of_the_outbox_mid_stream_loses_nothing,
+    test_per_key_order_holds_with_three_relays,
+)
+from tests.e2e.test_faults import (  # noqa: F401
     open_transactions,
     test_other_keys_flow_while_a_key_waits_for_an_open_transaction,
     test_relay_publishes_nothing_of_a_key_while_an_earlier_row_is_uncommitted,
 )
-from tests.test_hostile import (  # noqa: F401
+from tests.inbox.test_hostile import (  # noqa: F401
     test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart,
 )
-from tests.test_inbox import (  # noqa: F401
+from tests.inbox.test_inbox import (  # noqa: F401
     test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes,
     test_async_handler_gets_an_async_connection,
     test_fail_then_succeed_retries_with_backoff,
@@ -43,15 +47,14 @@ from tests.test_inbox import (  # noqa: F401
     test_per_key_dispatch_order_with_three_inboxes,
     test_status_and_retry_commands,
 )
-from tests.test_outbox import (  # noqa: F401
+from tests.outbox.test_outbox import (  # noqa: F401
     test_dead_row_policy_skip_lets_the_key_go_on_and_block_holds_it,
-    test_kill_9_mid_stream_loses_nothing,
     test_notify_publishes_a_new_row_without_waiting_for_the_poll,
     test_once_drains_a_backlog_and_marks_everything,
     test_once_publishes_with_the_contract_wire_format,
     test_sigterm_exits_zero_and_leaves_nothing_half_done,
-    test_three_relays_keep_per_key_order_over_60_keys,
 )
+from tests.pgbouncer import PgBouncer
 
 POOLER_NOTICE = "goes through a pooler"
 LISTEN_WARNING = "LISTEN/NOTIFY does not work"
@@ -67,6 +70,12 @@ def pgbouncer(request: pytest.FixtureRequest) -> Iterator[PgBouncer]:
     bouncer = PgBouncer(request.param, PG_HOST, PG_PORT, PG_USER)
     yield bouncer
     bouncer.stop()
+
+
+@pytest.fixture
+def broker(rabbit: Rabbit) -> AmqpBroker:
+    """RabbitMQ, for the end-to-end broker tests run here through PgBouncer."""
+    return AmqpBroker(rabbit)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from relay.console.app import COOKIE, ConsoleSettings, create_app
 from tests.conftest import free_port, rows, wait_until
-from tests.test_dead import dead_inbox, dead_outbox, statuses
+from tests.ops.test_dead import dead_inbox, dead_outbox, statuses
 
 TOKEN = "correct-horse-battery-staple"
 ORIGIN = {"origin": "http://testserver"}

@@ -5,7 +5,7 @@ hand-written frames): NUL characters and invalid UTF-8 in every string the
 inbox stores, header tables of odd types, timestamps that are no date,
 JSON nested past any parser's limit, keys past PostgreSQL's index limit.
 Each is followed by a well-formed message that must be handled; the
-generated suite (tests/test_generated.py) covers the same ground at random.
+generated suite (tests/e2e/test_generated.py) covers the same ground at random.
 """
 
 from __future__ import annotations

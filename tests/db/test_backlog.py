@@ -11,7 +11,7 @@ import orjson
 import sqlalchemy as sa
 
 from tests.conftest import free_port, insert_outbox, rows, wait_until
-from tests.test_operations import metric_is, scrape
+from tests.ops.test_operations import metric_is, scrape
 
 
 def _vacuum(engine: sa.Engine, table: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import free_port, rows, wait_until
-from tests.test_dead import dead_inbox, dead_outbox
+from tests.ops.test_dead import dead_inbox, dead_outbox
 
 CHROMIUM = "/usr/bin/chromium"
 TOKEN = "browser-test-token"

@@ -386,24 +386,6 @@ async def test_per_key_dispatch_order_with_three_inboxes(effects, rabbit, inbox)
         last[key] = n
 
 
-async def test_kill_9_between_insert_and_ack_loses_and_duplicates_nothing(
-    effects, rabbit, inbox
-):
-    first = inbox("--batch-size", "50")
-    for n in range(3000):
-        await publish(rabbit, message_id=f"k-{n}", type="Effect", body=orjson.dumps({"n": n}))
-    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) > 200)
-    first.signal(signal.SIGKILL)
-    first.wait()
-    inbox()
-    wait_until(lambda: len(effect_ids(effects)) >= 3000, timeout=60)
-    time.sleep(1)
-    ids = effect_ids(effects)
-    assert len(ids) == 3000 and len(set(ids)) == 3000
-    assert rows(effects, "SELECT status, count(*) FROM inbox GROUP BY status") == [
-        ("processed", 3000)]
-
-
 async def test_kill_9_of_the_inbox_takes_its_receiver_process_along(effects, rabbit, inbox):
     daemon = inbox()
     [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))
