@@ -72,8 +72,9 @@ MEASURED_TOPIC = "bench.backlog"
 RETAINED_TOPIC = "bench.retained"
 
 
-async def preload_outbox(url: str, count: int, *, status: str = "pending",
-                         age_hours: float = 0.0) -> None:
+async def preload_outbox(
+    url: str, count: int, *, status: str = "pending", age_hours: float = 0.0
+) -> None:
     """`count` outbox rows of 100 keys; finished ones published over the
     last `age_hours` hours (inside the default retention of a day)."""
     finished = status != "pending"
@@ -84,8 +85,16 @@ async def preload_outbox(url: str, count: int, *, status: str = "pending",
             "CASE WHEN %s THEN now() - make_interval(secs => %s * 3600 * (1 - i::float8 / %s)) "
             "END, now() - make_interval(secs => %s * 3600 * (1 - i::float8 / %s)) "
             "FROM generate_series(1, %s) AS i",
-            (RETAINED_TOPIC if finished else MEASURED_TOPIC, status, finished, age_hours, count,
-             age_hours, count, count),
+            (
+                RETAINED_TOPIC if finished else MEASURED_TOPIC,
+                status,
+                finished,
+                age_hours,
+                count,
+                age_hours,
+                count,
+                count,
+            ),
         )
         await conn.execute("VACUUM ANALYZE outbox" if finished else "ANALYZE outbox")
 
@@ -127,12 +136,15 @@ async def fill_queue(res: Resources, exchange: str, queue: str, count: int) -> N
 
 
 async def dead_tuples(url: str, table: str) -> int:
-    return int(await scalar(url, "SELECT n_dead_tup FROM pg_stat_user_tables "
-                                 "WHERE relname = %s", (table,)) or 0)
+    return int(
+        await scalar(url, "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = %s", (table,))
+        or 0
+    )
 
 
-async def run_outbox(res: Resources, url: str, exchange: str, count: int) -> list[
-        tuple[float, int]]:
+async def run_outbox(
+    res: Resources, url: str, exchange: str, count: int
+) -> list[tuple[float, int]]:
     """`relay outbox --once` until every pending row is published; its batches."""
     from bench.run import _daemon_args
 
@@ -144,18 +156,34 @@ async def run_outbox(res: Resources, url: str, exchange: str, count: int) -> lis
     return await batch_times(url, "outbox", where=f"AND topic = '{MEASURED_TOPIC}'")
 
 
-async def run_inbox(res: Resources, url: str, exchange: str, queue: str, count: int,
-                    already: int = 0) -> list[tuple[float, int]]:
+async def run_inbox(
+    res: Resources, url: str, exchange: str, queue: str, count: int, already: int = 0
+) -> list[tuple[float, int]]:
     """`relay inbox` until `count` rows are processed; its batches."""
     from bench.run import _daemon_args, wait_metric
 
     port = free_port()
-    proc = res.relay("inbox", "inbox", *_daemon_args(url, exchange), "--queue", queue,
-                     "--handlers", "bench.handlers", "--http-port", str(port))
+    proc = res.relay(
+        "inbox",
+        "inbox",
+        *_daemon_args(url, exchange),
+        "--queue",
+        queue,
+        "--handlers",
+        "bench.handlers",
+        "--http-port",
+        str(port),
+    )
     await proc.wait_log("inbox started", timeout=120)
-    await wait_metric(proc, port, "relay_inbox_processed_total", count,
-                      timeout=max(300.0, count / 150), interval=1.0 if count > 100_000 else 0.1,
-                      fail_on="relay_inbox_failed_total")
+    await wait_metric(
+        proc,
+        port,
+        "relay_inbox_processed_total",
+        count,
+        timeout=max(300.0, count / 150),
+        interval=1.0 if count > 100_000 else 0.1,
+        fail_on="relay_inbox_failed_total",
+    )
     code = await proc.stop()
     if code != 0:
         raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
@@ -165,12 +193,25 @@ async def run_inbox(res: Resources, url: str, exchange: str, queue: str, count: 
     return await batch_times(url, "inbox", where=f"AND topic = '{MEASURED_TOPIC}'")
 
 
-def _report_fifths(report: Report, scenario: str, who: str, points: Sequence[tuple[float, int]],
-                   count: int, **extra: Any) -> None:
+def _report_fifths(
+    report: Report,
+    scenario: str,
+    who: str,
+    points: Sequence[tuple[float, int]],
+    count: int,
+    **extra: Any,
+) -> None:
     first, last = fifths(points)
     every = [window_rate(points, i / 5, (i + 1) / 5) for i in range(5)]
-    report.add(scenario, f"{who}_first_fifth", first, "msgs/s", messages=count,
-               fifths=[round(r) if r else None for r in every], **extra)
+    report.add(
+        scenario,
+        f"{who}_first_fifth",
+        first,
+        "msgs/s",
+        messages=count,
+        fifths=[round(r) if r else None for r in every],
+        **extra,
+    )
     report.add(scenario, f"{who}_last_fifth", last, "msgs/s")
     report.add(scenario, f"{who}_whole", window_rate(points, 0.0, 1.0), "msgs/s")
     if first and last:
@@ -194,16 +235,30 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
             _report_fifths(report, "backlog", "inbox", points, n)
             # The receiver's storing rate per fifth: tells a slower handling
             # from a receiver (or broker) that fell behind.
-            stored = await batch_times(url, "inbox", "received_at",
-                                       where=f"AND topic = '{MEASURED_TOPIC}'")
-            report.add("backlog", "inbox_receive_fifths", window_rate(stored, 0.0, 1.0),
-                       "msgs/s", fifths=[round(r) if (r := window_rate(stored, i / 5, (i + 1) / 5))
-                                         else None for i in range(5)])
-            report.add("backlog", "inbox_dead_tuples_at_end", await dead_tuples(url, "inbox"),
-                       "rows")
+            stored = await batch_times(
+                url, "inbox", "received_at", where=f"AND topic = '{MEASURED_TOPIC}'"
+            )
+            report.add(
+                "backlog",
+                "inbox_receive_fifths",
+                window_rate(stored, 0.0, 1.0),
+                "msgs/s",
+                fifths=[
+                    round(r) if (r := window_rate(stored, i / 5, (i + 1) / 5)) else None
+                    for i in range(5)
+                ],
+            )
+            report.add(
+                "backlog", "inbox_dead_tuples_at_end", await dead_tuples(url, "inbox"), "rows"
+            )
         else:
-            report.add("backlog", "inbox_reference_rate", window_rate(points, 0.0, 1.0),
-                       "msgs/s", messages=n)
+            report.add(
+                "backlog",
+                "inbox_reference_rate",
+                window_rate(points, 0.0, 1.0),
+                "msgs/s",
+                messages=n,
+            )
         await res.drop_database(url)
 
     # Then relay outbox --once over N rows. Last, so that the broker's
@@ -216,8 +271,9 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
     await preload_outbox(url, count)
     started = time.monotonic()
     points = await run_outbox(res, url, exchange, count)
-    _report_fifths(report, "backlog", "outbox", points, count,
-                   seconds=round(time.monotonic() - started, 1))
+    _report_fifths(
+        report, "backlog", "outbox", points, count, seconds=round(time.monotonic() - started, 1)
+    )
     report.add("backlog", "outbox_dead_tuples_at_end", await dead_tuples(url, "outbox"), "rows")
     await res.drop_database(url)
 
@@ -243,10 +299,18 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
                     await preload_inbox_rows(url, queue, rows, age_hours=24 * 6)
                 await fill_queue(res, exchange, queue, measured)
                 points = await run_inbox(res, url, exchange, queue, measured)
-            report.add("retention", f"{table}_{label}", window_rate(points, 0.0, 1.0),
-                       "msgs/s", messages=measured, finished_rows=rows)
+            report.add(
+                "retention",
+                f"{table}_{label}",
+                window_rate(points, 0.0, 1.0),
+                "msgs/s",
+                messages=measured,
+                finished_rows=rows,
+            )
             await res.drop_database(url)
-        empty, full = report.get("retention", f"{table}_empty"), report.get(
-            "retention", f"{table}_full")
+        empty, full = (
+            report.get("retention", f"{table}_empty"),
+            report.get("retention", f"{table}_full"),
+        )
         if empty and full:
             report.add("retention", f"{table}_full_over_empty", full / empty, "x")

@@ -56,12 +56,14 @@ def claim_sql(table: str) -> tuple[str, str]:
 
 async def setup(url: str, table: str, n: int, keys: int) -> None:
     proc = await asyncio.create_subprocess_exec(
-        *relay_command(), "schema", "apply", "--database-url", url, env=relay_env())
+        *relay_command(), "schema", "apply", "--database-url", url, env=relay_env()
+    )
     if await proc.wait():
         raise SystemExit("schema apply failed")
     async with await connect(url, autocommit=True) as conn:
-        await conn.execute(INSERT_OUTBOX if table == "outbox" else INSERT_INBOX,
-                           {"n": n, "keys": keys})
+        await conn.execute(
+            INSERT_OUTBOX if table == "outbox" else INSERT_INBOX, {"n": n, "keys": keys}
+        )
         await conn.execute(f"ANALYZE {table}")
 
 
@@ -77,8 +79,9 @@ def buffers(plan: list[str]) -> int:
 _DONE = [0]  # rows marked by every worker
 
 
-async def _batch(conn: Any, claim: str, mark: str, params: dict[str, Any],
-                 args: argparse.Namespace) -> int | None:
+async def _batch(
+    conn: Any, claim: str, mark: str, params: dict[str, Any], args: argparse.Namespace
+) -> int | None:
     """One claim, `--hold` ms in the transaction (the publish), one mark;
     None once nothing is left to claim."""
     rows = await (await conn.execute(claim, params)).fetchall()
@@ -94,11 +97,11 @@ async def _batch(conn: Any, claim: str, mark: str, params: dict[str, Any],
     return len(ids)
 
 
-async def _worker(url: str, options: str, claim: str, mark: str, args: argparse.Namespace,
-                  worker: int) -> None:
+async def _worker(
+    url: str, options: str, claim: str, mark: str, args: argparse.Namespace, worker: int
+) -> None:
     """Another worker of the same relay: its own share of the keys."""
-    params = {"limit": args.batch, "worker": worker, "workers": args.workers,
-              "consumer": "bench"}
+    params = {"limit": args.batch, "worker": worker, "workers": args.workers, "consumer": "bench"}
     async with await psycopg.AsyncConnection.connect(url, options=options) as conn:
         while (claimed := await _batch(conn, claim, mark, params, args)) is not None:
             _DONE[0] += claimed
@@ -115,16 +118,24 @@ async def run(args: argparse.Namespace) -> None:
         options = " ".join(["-c jit=off", *relay_session.OUTBOX_SESSION_OPTIONS])
         conn = await psycopg.AsyncConnection.connect(url, options=options)
         stats_conn = await connect(url, autocommit=True)
-        params: dict[str, Any] = {"limit": args.batch, "worker": 0, "workers": args.workers,
-                                  "consumer": "bench"}
+        params: dict[str, Any] = {
+            "limit": args.batch,
+            "worker": 0,
+            "workers": args.workers,
+            "consumer": "bench",
+        }
         done, tenth = 0, max(1, args.messages // 10)
-        others = [asyncio.create_task(_worker(url, options, claim, mark, args, w))
-                  for w in range(1, args.workers)]
+        others = [
+            asyncio.create_task(_worker(url, options, claim, mark, args, w))
+            for w in range(1, args.workers)
+        ]
         window_start, window_done = time.perf_counter(), 0
         await stats_conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
         print(f"{args.table}: {args.messages:,} rows, {args.keys} keys, batch {args.batch}")
-        print("done      rate/s  claim_buf  claim_ms  mark_buf  n_dead_tup  "
-              "dead_tuple_pct  idx_pending_leaf_pages  last_vacuum")
+        print(
+            "done      rate/s  claim_buf  claim_ms  mark_buf  n_dead_tup  "
+            "dead_tuple_pct  idx_pending_leaf_pages  last_vacuum"
+        )
         next_report = tenth
         while True:
             if done >= next_report or done == 0:
@@ -132,29 +143,51 @@ async def run(args: argparse.Namespace) -> None:
                 rate = (done - window_done) / elapsed if done else 0.0
                 cur = await conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + claim, params)
                 plan = [r[0] for r in await cur.fetchall()]
-                ms = next((float(m.group(1)) for line in plan
-                           if (m := re.search(r"Execution Time: ([\d.]+)", line))), 0.0)
+                ms = next(
+                    (
+                        float(m.group(1))
+                        for line in plan
+                        if (m := re.search(r"Execution Time: ([\d.]+)", line))
+                    ),
+                    0.0,
+                )
                 await conn.rollback()
                 ids = await (await conn.execute(claim, params)).fetchall()
                 key = [r[0] for r in ids if not r[-1]]
-                mark_plan = await (await conn.execute(
-                    "EXPLAIN (ANALYZE, BUFFERS) " + mark,
-                    {"ids": key if args.table == "outbox" else
-                     "[" + ",".join(f'"{k}"' for k in key) + "]", "consumer": "bench"},
-                )).fetchall()
+                mark_plan = await (
+                    await conn.execute(
+                        "EXPLAIN (ANALYZE, BUFFERS) " + mark,
+                        {
+                            "ids": key
+                            if args.table == "outbox"
+                            else "[" + ",".join(f'"{k}"' for k in key) + "]",
+                            "consumer": "bench",
+                        },
+                    )
+                ).fetchall()
                 await conn.rollback()
-                _, dead, _, _, vac = await (await stats_conn.execute(
-                    STATS, (args.table,))).fetchone()  # type: ignore[misc]
-                row = await (await stats_conn.execute(
-                    f"SELECT dead_tuple_percent FROM pgstattuple('{args.table}')")).fetchone()
-                idx = await (await stats_conn.execute(
-                    "SELECT leaf_pages FROM pg_indexes, pgstatindex(indexname::regclass) "
-                    "WHERE tablename = %s AND indexname LIKE %s",
-                    (args.table, f"{args.table}_pending_%"))).fetchone()
+                _, dead, _, _, vac = await (
+                    await stats_conn.execute(STATS, (args.table,))
+                ).fetchone()  # type: ignore[misc]
+                row = await (
+                    await stats_conn.execute(
+                        f"SELECT dead_tuple_percent FROM pgstattuple('{args.table}')"
+                    )
+                ).fetchone()
+                idx = await (
+                    await stats_conn.execute(
+                        "SELECT leaf_pages FROM pg_indexes, pgstatindex(indexname::regclass) "
+                        "WHERE tablename = %s AND indexname LIKE %s",
+                        (args.table, f"{args.table}_pending_%"),
+                    )
+                ).fetchone()
                 assert row is not None and idx is not None
-                print(f"{done:>8,}  {rate:>6,.0f}  {buffers(plan):>9,}  {ms:>8.2f}  "
-                      f"{buffers([r[0] for r in mark_plan]):>8,}  {dead:>10,}  "
-                      f"{row[0]:>14}  {idx[0]:>22,}  {vac}", flush=True)
+                print(
+                    f"{done:>8,}  {rate:>6,.0f}  {buffers(plan):>9,}  {ms:>8.2f}  "
+                    f"{buffers([r[0] for r in mark_plan]):>8,}  {dead:>10,}  "
+                    f"{row[0]:>14}  {idx[0]:>22,}  {vac}",
+                    flush=True,
+                )
                 last = done >= args.messages * 0.9 and next_report >= 9 * tenth
                 if args.explain and (done == 0 or last):
                     print("\n".join("    " + line for line in plan))
@@ -182,11 +215,19 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=150_000)
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--batch", type=int, default=500)
-    parser.add_argument("--workers", type=int, default=1,
-                        help="concurrent workers, each with its share of the keys (the outbox "
-                             "relay has 4, the inbox 3 dispatchers)")
-    parser.add_argument("--hold", type=float, default=0,
-                        help="ms between a batch's claim and its mark (the publish)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="concurrent workers, each with its share of the keys (the outbox "
+        "relay has 4, the inbox 3 dispatchers)",
+    )
+    parser.add_argument(
+        "--hold",
+        type=float,
+        default=0,
+        help="ms between a batch's claim and its mark (the publish)",
+    )
     parser.add_argument("--explain", action="store_true", help="print the first and last plan")
     parser.add_argument("--keep", action="store_true", help="keep the database")
     asyncio.run(run(parser.parse_args()))

@@ -35,8 +35,7 @@ AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/"
 # A 200-byte JSON object on the wire (compact, jsonb's key order: i, pad, kind).
 PAD = 158
 PAYLOAD_SQL = (
-    f"jsonb_build_object('i', lpad(i::text, 10, '0'), 'pad', repeat('x', {PAD}), "
-    "'kind', 'bench')"
+    f"jsonb_build_object('i', lpad(i::text, 10, '0'), 'pad', repeat('x', {PAD}), 'kind', 'bench')"
 )
 
 
@@ -67,12 +66,14 @@ def db_url(name: str) -> str:
 
 def relay_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        # bench.handlers must be importable by `relay inbox`.
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-        "RELAY_LOG_LEVEL": "INFO",
-    })
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            # bench.handlers must be importable by `relay inbox`.
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+            "RELAY_LOG_LEVEL": "INFO",
+        }
+    )
     env.update(extra)
     return env
 
@@ -97,8 +98,9 @@ async def scalar(url: str, sql: str, params: Sequence[Any] | None = None) -> Any
         return row[0] if row else None
 
 
-async def insert_backlog(url: str, count: int, *, topic: str, type: str | None = "Bench",
-                         first: int = 1) -> float:
+async def insert_backlog(
+    url: str, count: int, *, topic: str, type: str | None = "Bench", first: int = 1
+) -> float:
     """`count` pending outbox rows with 200-byte payloads, then ANALYZE; the seconds it took."""
     started = time.perf_counter()
     async with await connect(url, autocommit=True) as conn:
@@ -111,13 +113,16 @@ async def insert_backlog(url: str, count: int, *, topic: str, type: str | None =
     return time.perf_counter() - started
 
 
-async def batch_times(url: str, table: str, column: str | None = None,
-                      where: str = "") -> list[tuple[float, int]]:
+async def batch_times(
+    url: str, table: str, column: str | None = None, where: str = ""
+) -> list[tuple[float, int]]:
     """(transaction start, rows) per transaction that wrote `column`
     (published_at, processed_at, received_at: all now(), the start of the
     batch's transaction), in time order."""
-    default_column, status = {"outbox": ("published_at", "published"),
-                               "inbox": ("processed_at", "processed")}[table]
+    default_column, status = {
+        "outbox": ("published_at", "published"),
+        "inbox": ("processed_at", "processed"),
+    }[table]
     column = column or default_column
     async with await connect(url, autocommit=True) as conn:
         cur = await conn.execute(
@@ -133,8 +138,9 @@ async def batch_times(url: str, table: str, column: str | None = None,
 MIN_BATCHES = 5
 
 
-def steady_rate(points: Sequence[tuple[float, int]], lo: float = 0.1,
-                hi: float = 0.9) -> float | None:
+def steady_rate(
+    points: Sequence[tuple[float, int]], lo: float = 0.1, hi: float = 0.9
+) -> float | None:
     """Rows per second between the batch that crosses `lo` of the rows and the
     one that crosses `hi`: start-up and the tail are left out. With too few
     batches for that, from the first batch to the last; None for fewer than
@@ -256,11 +262,13 @@ class RssSampler:
 
     def summary(self, start: float | None = None, end: float | None = None) -> dict[str, Any]:
         """Peak (VmHWM) and the RSS at 10, 50 and 90 % of [start, end], in MB."""
+
         def mb(kb: int | None) -> float | None:
             return round(kb / 1024, 1) if kb is not None else None
 
         result: dict[str, Any] = {
-            "peak_mb": mb(self.hwm_kb or None), "samples": len(self.samples),
+            "peak_mb": mb(self.hwm_kb or None),
+            "samples": len(self.samples),
             "process_peaks_mb": [mb(kb) for kb in self.hwm_by_pid.values()],
         }
         if self.samples:
@@ -275,14 +283,24 @@ class Proc:
     """A subprocess (a relay daemon, moto, the latency consumer) with its
     output in a log file and its RSS sampled."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
-                 *, stdin: bool = False, stdout_pipe: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        stdin: bool = False,
+        stdout_pipe: bool = False,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            argv, env=env, cwd=REPO,
+            argv,
+            env=env,
+            cwd=REPO,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE if stdout_pipe else self._log,
             stderr=self._log,
@@ -311,8 +329,10 @@ class Proc:
             if text in self.log():
                 return time.monotonic()
             if self.popen.poll() is not None:
-                raise BenchError(f"{self.name} exited {self.popen.returncode} before logging "
-                                 f"{text!r}:\n{self.tail()}")
+                raise BenchError(
+                    f"{self.name} exited {self.popen.returncode} before logging "
+                    f"{text!r}:\n{self.tail()}"
+                )
             if time.monotonic() > deadline:
                 raise BenchError(f"{self.name} did not log {text!r} in {timeout}s:\n{self.tail()}")
             await asyncio.sleep(0.01)
@@ -377,9 +397,15 @@ class Resources:
         self.databases.append(name)
         url = db_url(name)
         proc = await asyncio.create_subprocess_exec(
-            *relay_command(), "schema", "apply", "--database-url", url,
-            env=relay_env(), cwd=REPO,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *relay_command(),
+            "schema",
+            "apply",
+            "--database-url",
+            url,
+            env=relay_env(),
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
         )
         out, _ = await proc.communicate()
         if proc.returncode != 0:
@@ -412,8 +438,7 @@ class Resources:
         """Declare the durable topic exchange and a durable queue bound to it."""
         channel = await (await self.amqp()).channel()
         try:
-            ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC,
-                                                durable=True)
+            ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
             q = await channel.declare_queue(queue, durable=True)
             await q.bind(ex, pattern)
         finally:
@@ -429,8 +454,9 @@ class Resources:
 
     # -- processes --------------------------------------------------------------
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-              **kwargs: Any) -> Proc:
+    def spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, **kwargs: Any
+    ) -> Proc:
         log = self.workdir / f"{name}.{len(self.procs)}.log"
         proc = Proc(name, argv, env or relay_env(), log, **kwargs)
         self.procs.append(proc)
@@ -453,8 +479,10 @@ class Resources:
             try:
                 connection = await self.amqp()
                 # A channel per delete: a broker error closes the channel it happens on.
-                for kind, name in [*(("queue", q) for q in self.queues),
-                                   *(("exchange", e) for e in self.exchanges)]:
+                for kind, name in [
+                    *(("queue", q) for q in self.queues),
+                    *(("exchange", e) for e in self.exchanges),
+                ]:
                     channel = await connection.channel()
                     try:
                         if kind == "queue":

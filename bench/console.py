@@ -35,10 +35,14 @@ TARGET_MS = 200.0
 ERRORS = [
     "NOT_FOUND - no exchange 'billing' in vhost '/'",
     "PayloadRejected: order_id must be a number",
-    ("Traceback (most recent call last):\n  File \"app.py\", line 9, in on_order\n"
-     "    raise ValueError('order has no lines')\nValueError: order has no lines"),
-    ("Traceback (most recent call last):\n  File \"app.py\", line 30, in on_paid\n"
-     "    raise KeyError('customer')\nKeyError: 'customer'"),
+    (
+        'Traceback (most recent call last):\n  File "app.py", line 9, in on_order\n'
+        "    raise ValueError('order has no lines')\nValueError: order has no lines"
+    ),
+    (
+        'Traceback (most recent call last):\n  File "app.py", line 30, in on_paid\n'
+        "    raise KeyError('customer')\nKeyError: 'customer'"
+    ),
     "no handler for message type 'OrderArchived'",
     "the body is not JSON: Expecting value: line 1 column 1 (char 0)",
 ]
@@ -59,11 +63,22 @@ SELECT {ids}'orders.' || mod(i, 7), CASE WHEN mod(i, 100) < 5 THEN 'k' || mod(i,
 FROM generate_series(1, %(rows)s) i
 """
 FILLS = [
-    FILL.format(table="outbox", id_columns="", ids="", written="created_at",
-                done_at="published_at", done="published"),
-    FILL.format(table="inbox", id_columns="consumer, message_id, ",
-                ids="'consumer-' || mod(i, 3), 'm-' || i, ", written="received_at",
-                done_at="processed_at", done="processed"),
+    FILL.format(
+        table="outbox",
+        id_columns="",
+        ids="",
+        written="created_at",
+        done_at="published_at",
+        done="published",
+    ),
+    FILL.format(
+        table="inbox",
+        id_columns="consumer, message_id, ",
+        ids="'consumer-' || mod(i, 3), 'm-' || i, ",
+        written="received_at",
+        done_at="processed_at",
+        done="processed",
+    ),
 ]
 
 
@@ -91,14 +106,19 @@ def main(rows: int) -> dict[str, object]:
                 conn.execute(fill, {"rows": rows, "errors": ERRORS})
             conn.execute("VACUUM ANALYZE outbox")
             conn.execute("VACUUM ANALYZE inbox")
-            dead_id = conn.execute("SELECT id::text FROM outbox WHERE status = 'dead' "
-                                   "ORDER BY seq DESC LIMIT 1 OFFSET %s",
-                                   [rows // 200]).fetchone()
+            dead_id = conn.execute(
+                "SELECT id::text FROM outbox WHERE status = 'dead' "
+                "ORDER BY seq DESC LIMIT 1 OFFSET %s",
+                [rows // 200],
+            ).fetchone()
         fill_seconds = time.perf_counter() - started
         port = free_port()
-        proc = subprocess.Popen([*relay_command(), "console", "--port", str(port),
-                                 "--database-url", url], cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [*relay_command(), "console", "--port", str(port), "--database-url", url],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             for _ in range(100):
@@ -114,25 +134,35 @@ def main(rows: int) -> dict[str, object]:
                 "dead list, first page, both tables": "/dead",
                 "dead list, first page, outbox": "/dead?table=outbox",
                 "dead list, a later page (keyset)": f"/dead?table=outbox&after={cursor}",
-                "dead list, inbox, by consumer and error text":
-                    "/dead?table=inbox&consumer=consumer-1&error=customer",
-                "dead list, by error group":
-                    "/dead?table=inbox&group=ValueError%3A+order+has+no+lines",
+                "dead list, inbox, by consumer and error text": (
+                    "/dead?table=inbox&consumer=consumer-1&error=customer"
+                ),
+                "dead list, by error group": (
+                    "/dead?table=inbox&group=ValueError%3A+order+has+no+lines"
+                ),
                 "one dead message": f"/message?table=outbox&id={dead_id[0] if dead_id else ''}",
                 "blocked keys": "/keys",
             }
             figures = {}
             for name, path in pages.items():
                 median, worst, size = timed(base + path)
-                figures[name] = {"median_ms": round(median, 1), "worst_ms": round(worst, 1),
-                                 "bytes": size}
+                figures[name] = {
+                    "median_ms": round(median, 1),
+                    "worst_ms": round(worst, 1),
+                    "bytes": size,
+                }
                 print(f"{name:50} median {median:7.1f} ms  worst {worst:7.1f} ms", flush=True)
         finally:
             proc.terminate()
             proc.wait(15)
-        return {"rows_per_table": rows, "fill_seconds": round(fill_seconds, 1),
-                "repeat": REPEAT, "target_ms": TARGET_MS, "figures": figures,
-                "pg": PG_URL}
+        return {
+            "rows_per_table": rows,
+            "fill_seconds": round(fill_seconds, 1),
+            "repeat": REPEAT,
+            "target_ms": TARGET_MS,
+            "figures": figures,
+            "pg": PG_URL,
+        }
     finally:
         asyncio.run(res.close())
 

@@ -61,7 +61,12 @@ def bench_message(i: int, type: str = "Bench") -> aio_pika.Message:
 
 
 async def publish_window(
-    amqp_url: str, exchange: str, routing_key: str, count: int, *, window: int = 1000,
+    amqp_url: str,
+    exchange: str,
+    routing_key: str,
+    count: int,
+    *,
+    window: int = 1000,
     make: Callable[[int], aio_pika.Message] = bench_message,
 ) -> float:
     """Publish `count` messages with up to `window` awaiting their confirm; the seconds it took."""
@@ -98,7 +103,8 @@ async def publish_window(
         await connection.close()
 
 
-async def limit_amqp(amqp_url: str, exchange: str, routing_key: str, count: int,
-                     *, window: int = 1000) -> tuple[int, float]:
+async def limit_amqp(
+    amqp_url: str, exchange: str, routing_key: str, count: int, *, window: int = 1000
+) -> tuple[int, float]:
     """Publish `count` 200-byte messages; (messages, seconds)."""
     return count, await publish_window(amqp_url, exchange, routing_key, count, window=window)

@@ -27,8 +27,9 @@ ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED
 MARK = "UPDATE outbox SET status = 'published', published_at = now() WHERE id = %s"
 
 
-async def run_naive(database_url: str, amqp_url: str, exchange: str, *,
-                    seconds: float | None = None) -> tuple[int, float]:
+async def run_naive(
+    database_url: str, amqp_url: str, exchange: str, *, seconds: float | None = None
+) -> tuple[int, float]:
     """Publish until nothing is pending (or `seconds` have passed); (rows, seconds)."""
     db = await connect(database_url)
     broker = await aio_pika.connect(amqp_url)

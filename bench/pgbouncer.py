@@ -51,15 +51,37 @@ async def measure(setup: str, rate: int, seconds: float) -> dict[str, float]:
             relay_url = bouncer.url(url)
             if setup.endswith("+listen-url"):
                 env["RELAY_LISTEN_URL"] = url
-        outbox = res.relay("outbox", "outbox", "--database-url", relay_url,
-                           "--broker-url", AMQP_URL, "--exchange", exchange, env=env)
+        outbox = res.relay(
+            "outbox",
+            "outbox",
+            "--database-url",
+            relay_url,
+            "--broker-url",
+            AMQP_URL,
+            "--exchange",
+            exchange,
+            env=env,
+        )
         await outbox.wait_log("outbox relay started", timeout=60)
         await asyncio.sleep(6 if setup == "transaction" else 0.5)  # the LISTEN self-check
         receipts_file = res.workdir / "receipts.json"
-        consumer = res.spawn("consumer", [sys.executable, "-m", "bench.consumer",
-                                          "--amqp-url", AMQP_URL, "--queue", queue,
-                                          "--out", str(receipts_file)],
-                             relay_env(), stdin=True, stdout_pipe=True)
+        consumer = res.spawn(
+            "consumer",
+            [
+                sys.executable,
+                "-m",
+                "bench.consumer",
+                "--amqp-url",
+                AMQP_URL,
+                "--queue",
+                queue,
+                "--out",
+                str(receipts_file),
+            ],
+            relay_env(),
+            stdin=True,
+            stdout_pipe=True,
+        )
         assert consumer.popen.stdout is not None and consumer.popen.stdin is not None
         line = await asyncio.wait_for(asyncio.to_thread(consumer.popen.stdout.readline), 30)
         if line.strip() != b"ready":
@@ -70,15 +92,21 @@ async def measure(setup: str, rate: int, seconds: float) -> dict[str, float]:
         if await consumer.wait_exit(60) != 0:
             raise BenchError(f"consumer failed:\n{consumer.tail()}")
         receipts = orjson.loads(receipts_file.read_bytes())
-        latencies = sorted((receipts[m] - committed) * 1000
-                           for m, (committed, offset) in commits.items()
-                           if offset >= 0.5 and m in receipts)
+        latencies = sorted(
+            (receipts[m] - committed) * 1000
+            for m, (committed, offset) in commits.items()
+            if offset >= 0.5 and m in receipts
+        )
         if len(latencies) < len([c for c in commits.values() if c[1] >= 0.5]):
             raise BenchError(f"{setup}: messages never arrived")
         warned = "LISTEN/NOTIFY does not work" in outbox.log_path.read_text(errors="replace")
-        return {"p50": percentile(latencies, 50), "p95": percentile(latencies, 95),
-                "p99": percentile(latencies, 99), "achieved": achieved,
-                "warned": float(warned)}
+        return {
+            "p50": percentile(latencies, 50),
+            "p95": percentile(latencies, 95),
+            "p99": percentile(latencies, 99),
+            "achieved": achieved,
+            "warned": float(warned),
+        }
     finally:
         await res.close()
         if bouncer is not None:
@@ -95,9 +123,21 @@ async def drain(setup: str, count: int) -> float:
         await res.bind_queue(exchange, queue)
         await insert_backlog(url, count, topic="bench.drain")
         report = Report()
-        await _outbox_once(res, report, "drain", url, count,
-                           ["--database-url", bouncer.url(url) if bouncer else url,
-                            "--broker-url", AMQP_URL, "--exchange", exchange])
+        await _outbox_once(
+            res,
+            report,
+            "drain",
+            url,
+            count,
+            [
+                "--database-url",
+                bouncer.url(url) if bouncer else url,
+                "--broker-url",
+                AMQP_URL,
+                "--exchange",
+                exchange,
+            ],
+        )
         return float(report.get("drain", "rate") or 0.0)
     finally:
         await res.close()
@@ -112,14 +152,20 @@ async def main() -> None:
     parser.add_argument("--drain", type=int, default=0)
     args = parser.parse_args()
     if args.seconds > 0:
-        print(f"commit-to-receipt latency, {args.rate} msgs/s for {args.seconds:g} s each, "
-              f"PostgreSQL at {PG_URL}")
-        print(f"{'setup':<24} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'msgs/s':>8}  "
-              "LISTEN warning")
+        print(
+            f"commit-to-receipt latency, {args.rate} msgs/s for {args.seconds:g} s each, "
+            f"PostgreSQL at {PG_URL}"
+        )
+        print(
+            f"{'setup':<24} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'msgs/s':>8}  LISTEN warning"
+        )
     for setup in SETUPS if args.seconds > 0 else ():  # --seconds 0: the drains only
         r = await measure(setup, args.rate, args.seconds)
-        print(f"{setup:<24} {r['p50']:>8.2f} {r['p95']:>8.2f} {r['p99']:>8.2f} "
-              f"{r['achieved']:>8.1f}  {'yes' if r['warned'] else 'no'}", flush=True)
+        print(
+            f"{setup:<24} {r['p50']:>8.2f} {r['p95']:>8.2f} {r['p99']:>8.2f} "
+            f"{r['achieved']:>8.1f}  {'yes' if r['warned'] else 'no'}",
+            flush=True,
+        )
     if args.drain:
         for setup in ("direct", "transaction", "direct", "transaction"):
             rate = await drain(setup, args.drain)

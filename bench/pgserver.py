@@ -30,9 +30,10 @@ def _bindir() -> Path:
     found = shutil.which("pg_ctl")
     if found:
         return Path(found).parent
-    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
-                      key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit()
-                      else 0)
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
     if not versions:
         raise BenchError("no PostgreSQL server binaries (pg_ctl) on this machine")
     return versions[-1].parent
@@ -58,24 +59,44 @@ class OwnPostgres:
     def _run(self, *argv: str) -> None:
         done = subprocess.run(_as_server_user(argv), capture_output=True, text=True)
         if done.returncode != 0:
-            raise BenchError(f"{Path(argv[0]).name} failed ({done.returncode}): "
-                             f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            raise BenchError(
+                f"{Path(argv[0]).name} failed ({done.returncode}): "
+                f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
 
     def start(self) -> None:
         if os.geteuid() == 0:
             shutil.chown(self.dir, "postgres", "postgres")
-        self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres",
-                  "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync")
+        self._run(
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+            "--no-sync",
+        )
         # Only where to listen: every other setting is the server's default.
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-w", "-t", "60",
-                  "-l", str(self.dir / "server.log"), "-o",
-                  f"-p {self.port} -c listen_addresses=127.0.0.1 "
-                  f"-c unix_socket_directories={self.dir}", "start")
+        self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(self.dir / "server.log"),
+            "-o",
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir}",
+            "start",
+        )
 
     def stop(self) -> None:
         with contextlib.suppress(BenchError):
-            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w",
-                      "stop")
+            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

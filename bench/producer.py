@@ -32,17 +32,17 @@ import psycopg
 
 from bench.common import payload
 
-INSERT_ONE = (
-    "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
-)
+INSERT_ONE = "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
 
 
 async def produce(args: argparse.Namespace) -> dict[str, Any]:
     total_rate = args.rate * args.stride
     total = int(total_rate * args.seconds)
     mine = list(range(args.offset, total, args.stride))
-    conns = [await psycopg.AsyncConnection.connect(args.database_url, options="-c jit=off")
-             for _ in range(args.lanes)]
+    conns = [
+        await psycopg.AsyncConnection.connect(args.database_url, options="-c jit=off")
+        for _ in range(args.lanes)
+    ]
     commits: dict[str, tuple[float, float]] = {}
     durations: list[float] = []
     print("ready", flush=True)
@@ -51,7 +51,7 @@ async def produce(args: argparse.Namespace) -> dict[str, Any]:
     perf_at_start = time.perf_counter() + (start - time.time())
 
     async def lane(n: int, conn: Any) -> None:
-        for i in mine[n::args.lanes]:
+        for i in mine[n :: args.lanes]:
             delay = perf_at_start + i / total_rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -68,8 +68,12 @@ async def produce(args: argparse.Namespace) -> dict[str, Any]:
         for conn in conns:
             await conn.close()
     stamps = [t for t, _ in commits.values()]
-    return {"commits": commits, "durations_ms": durations,
-            "first": min(stamps, default=0.0), "last": max(stamps, default=0.0)}
+    return {
+        "commits": commits,
+        "durations_ms": durations,
+        "first": min(stamps, default=0.0),
+        "last": max(stamps, default=0.0),
+    }
 
 
 def main() -> None:
@@ -82,8 +86,12 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=8)
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--stride", type=int, default=1)
-    parser.add_argument("--nice", type=int, default=5,
-                        help="lower this process's priority by N (the relay measured goes first)")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=5,
+        help="lower this process's priority by N (the relay measured goes first)",
+    )
     args = parser.parse_args()
     if args.nice:
         os.nice(args.nice)

@@ -81,9 +81,20 @@ def ensure_amqplib() -> str | None:
     NODE_DIR.mkdir(parents=True, exist_ok=True)
     try:
         done = subprocess.run(
-            ["npm", "install", "--prefix", str(NODE_DIR), "--no-audit", "--no-fund",
-             "--loglevel", "error", AMQPLIB],
-            capture_output=True, text=True, timeout=120,
+            [
+                "npm",
+                "install",
+                "--prefix",
+                str(NODE_DIR),
+                "--no-audit",
+                "--no-fund",
+                "--loglevel",
+                "error",
+                AMQPLIB,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"npm install {AMQPLIB} failed: {exc}"
@@ -96,8 +107,18 @@ async def node_limit(exchange: str, routing_key: str, count: int) -> dict[str, A
     """Node's amqplib publishing `count` messages in relay's wire format."""
     env = {**os.environ, "NODE_PATH": str(NODE_DIR / "node_modules")}
     proc = await asyncio.create_subprocess_exec(
-        "node", str(NODE_SCRIPT), AMQP_URL, exchange, routing_key, str(count), str(WINDOW),
-        env=env, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "node",
+        str(NODE_SCRIPT),
+        AMQP_URL,
+        exchange,
+        routing_key,
+        str(count),
+        str(WINDOW),
+        env=env,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), timeout=max(120.0, count / 500))
     if proc.returncode != 0:
         raise BenchError(f"node amqp_limit.js exited {proc.returncode}: {err.decode()[-800:]}")
@@ -130,10 +151,15 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         report.scenarios.setdefault("wire", {})["skipped"] = why
         return
     count = sz.wire
-    figures: dict[str, list[float]] = {"drain": [], "inbox": [], "limit_topic": [],
-                                       "limit_default": [], "node_cpu_s": [],
-                                       "rabbitmq_us_per_msg_drain": [],
-                                       "rabbitmq_us_per_msg_amqplib": []}
+    figures: dict[str, list[float]] = {
+        "drain": [],
+        "inbox": [],
+        "limit_topic": [],
+        "limit_default": [],
+        "node_cpu_s": [],
+        "rabbitmq_us_per_msg_drain": [],
+        "rabbitmq_us_per_msg_amqplib": [],
+    }
     loads = []
     for n in range(sz.wire_rounds):
         url = await res.database(f"wire{n}")
@@ -169,14 +195,25 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         figures["rabbitmq_us_per_msg_amqplib"].append(beam_node / count * 1e6)
     loads.append(loadavg()[0])
     extra = {"messages": count, "rounds": sz.wire_rounds, "loadavg_1m": loads}
-    for name, unit in (("drain", "msgs/s"), ("inbox", "msgs/s"), ("limit_topic", "msgs/s"),
-                       ("limit_default", "msgs/s"), ("node_cpu_s", "s"),
-                       # beam.smp's CPU over each phase: other clients of the
-                       # broker count too (on a shared machine, read as a bound).
-                       ("rabbitmq_us_per_msg_drain", "us"),
-                       ("rabbitmq_us_per_msg_amqplib", "us")):
-        report.add("wire", name, statistics.median(figures[name]), unit,
-                   each=[round(v, 1) for v in figures[name]], **extra)
+    for name, unit in (
+        ("drain", "msgs/s"),
+        ("inbox", "msgs/s"),
+        ("limit_topic", "msgs/s"),
+        ("limit_default", "msgs/s"),
+        ("node_cpu_s", "s"),
+        # beam.smp's CPU over each phase: other clients of the
+        # broker count too (on a shared machine, read as a bound).
+        ("rabbitmq_us_per_msg_drain", "us"),
+        ("rabbitmq_us_per_msg_amqplib", "us"),
+    ):
+        report.add(
+            "wire",
+            name,
+            statistics.median(figures[name]),
+            unit,
+            each=[round(v, 1) for v in figures[name]],
+            **extra,
+        )
     drain, inbox = report.get("wire", "drain"), report.get("wire", "inbox")
     topic_limit = report.get("wire", "limit_topic")
     if drain and topic_limit:
@@ -196,8 +233,11 @@ def beam_cpu() -> float:
 # sqs_ref: relay's SQS daemons beside plain boto3 loops
 # --------------------------------------------------------------------------
 
-AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-       "AWS_DEFAULT_REGION": "us-east-1"}
+AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 async def start_moto(res: Resources) -> str:
@@ -220,10 +260,13 @@ def sqs_client(endpoint: str, pool: int) -> Any:
     from botocore.config import Config
 
     return boto3.session.Session().client(
-        "sqs", region_name="us-east-1", endpoint_url=endpoint,
-        aws_access_key_id="testing", aws_secret_access_key="testing",
-        config=Config(max_pool_connections=pool, retries={"mode": "standard",
-                                                          "max_attempts": 3}))
+        "sqs",
+        region_name="us-east-1",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(max_pool_connections=pool, retries={"mode": "standard", "max_attempts": 3}),
+    )
 
 
 def plain_send(client: Any, queue_url: str, count: int, threads: int) -> float:
@@ -232,11 +275,18 @@ def plain_send(client: Any, queue_url: str, count: int, threads: int) -> float:
     from bench.common import payload
 
     def entries(first: int) -> list[dict[str, Any]]:
-        return [{"Id": str(i), "MessageBody": payload(i).decode(), "MessageAttributes": {
+        return [
+            {
+                "Id": str(i),
+                "MessageBody": payload(i).decode(),
+                "MessageAttributes": {
                     "message_id": {"DataType": "String", "StringValue": str(uuid.uuid4())},
                     "type": {"DataType": "String", "StringValue": "Bench"},
-                    "key": {"DataType": "String", "StringValue": f"k{i % KEYS}"}}}
-                for i in range(first, min(first + 10, count))]
+                    "key": {"DataType": "String", "StringValue": f"k{i % KEYS}"},
+                },
+            }
+            for i in range(first, min(first + 10, count))
+        ]
 
     def send(first: int) -> None:
         response = client.send_message_batch(QueueUrl=queue_url, Entries=entries(first))
@@ -250,8 +300,9 @@ def plain_send(client: Any, queue_url: str, count: int, threads: int) -> float:
     return time.perf_counter() - started
 
 
-def plain_receive(client: Any, queue_url: str, count: int, receivers: int,
-                  deleters: int, timeout: float) -> float:
+def plain_receive(
+    client: Any, queue_url: str, count: int, receivers: int, deleters: int, timeout: float
+) -> float:
     """`receivers` threads long-polling ReceiveMessage (10 at a time, every
     attribute, as relay's inbox), each batch deleted by DeleteMessageBatch in
     a pool of `deleters` threads, until `count` are deleted; the seconds."""
@@ -264,8 +315,10 @@ def plain_receive(client: Any, queue_url: str, count: int, receivers: int,
     def delete(handles: list[str]) -> None:
         nonlocal deleted
         try:
-            response = client.delete_message_batch(QueueUrl=queue_url, Entries=[
-                {"Id": str(i), "ReceiptHandle": h} for i, h in enumerate(handles)])
+            response = client.delete_message_batch(
+                QueueUrl=queue_url,
+                Entries=[{"Id": str(i), "ReceiptHandle": h} for i, h in enumerate(handles)],
+            )
             with lock:
                 deleted += len(response.get("Successful", []))
                 if deleted >= count:
@@ -278,8 +331,12 @@ def plain_receive(client: Any, queue_url: str, count: int, receivers: int,
         while not finished.is_set() and time.monotonic() < deadline:
             try:
                 response = client.receive_message(
-                    QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1,
-                    MessageAttributeNames=["All"], MessageSystemAttributeNames=["All"])
+                    QueueUrl=queue_url,
+                    MaxNumberOfMessages=10,
+                    WaitTimeSeconds=1,
+                    MessageAttributeNames=["All"],
+                    MessageSystemAttributeNames=["All"],
+                )
             except BaseException as exc:
                 errors.append(exc)
                 finished.set()
@@ -290,8 +347,9 @@ def plain_receive(client: Any, queue_url: str, count: int, receivers: int,
 
     started = time.perf_counter()
     with ThreadPoolExecutor(deleters) as pool:
-        threads = [threading.Thread(target=receive, args=(pool,), daemon=True)
-                   for _ in range(receivers)]
+        threads = [
+            threading.Thread(target=receive, args=(pool,), daemon=True) for _ in range(receivers)
+        ]
         for t in threads:
             t.start()
         finished.wait(max(0.0, deadline - time.monotonic()))
@@ -307,8 +365,9 @@ def plain_receive(client: Any, queue_url: str, count: int, receivers: int,
 
 def _depth(client: Any, queue_url: str) -> int:
     attributes = client.get_queue_attributes(
-        QueueUrl=queue_url, AttributeNames=["ApproximateNumberOfMessages",
-                                            "ApproximateNumberOfMessagesNotVisible"])
+        QueueUrl=queue_url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )
     return sum(int(v) for v in attributes["Attributes"].values())
 
 
@@ -326,19 +385,29 @@ async def scenario_sqs_ref(res: Resources, sz: Sizes, report: Report) -> None:
     queues = {}
     for who in ("plain", "relay"):
         name = f"bench-sqsref-{who}-{uuid.uuid4().hex[:8]}"
-        queues[who] = (name, (await asyncio.to_thread(client.create_queue,
-                                                      QueueName=name))["QueueUrl"])
+        queues[who] = (
+            name,
+            (await asyncio.to_thread(client.create_queue, QueueName=name))["QueueUrl"],
+        )
 
     _, plain_url = queues["plain"]
     seconds = await asyncio.to_thread(plain_send, client, plain_url, count, send_threads)
     if (got := await asyncio.to_thread(_depth, client, plain_url)) != count:
         raise BenchError(f"plain SendMessageBatch: the queue holds {got} of {count}")
-    report.add("sqs_ref", "plain_send", count / seconds, "msgs/s", messages=count,
-               in_flight=send_threads)
-    seconds = await asyncio.to_thread(plain_receive, client, plain_url, count, sqs.RECEIVERS,
-                                      8, max(120.0, count / 3))
-    report.add("sqs_ref", "plain_receive_delete", count / seconds, "msgs/s",
-               receivers=sqs.RECEIVERS, deleters=8)
+    report.add(
+        "sqs_ref", "plain_send", count / seconds, "msgs/s", messages=count, in_flight=send_threads
+    )
+    seconds = await asyncio.to_thread(
+        plain_receive, client, plain_url, count, sqs.RECEIVERS, 8, max(120.0, count / 3)
+    )
+    report.add(
+        "sqs_ref",
+        "plain_receive_delete",
+        count / seconds,
+        "msgs/s",
+        receivers=sqs.RECEIVERS,
+        deleters=8,
+    )
 
     name, relay_url = queues["relay"]
     url = await res.database("sqsref")
@@ -347,12 +416,15 @@ async def scenario_sqs_ref(res: Resources, sz: Sizes, report: Report) -> None:
         await conn.execute(
             "INSERT INTO outbox (topic, key, type, payload) "
             f"SELECT %s, 'k' || (i %% {KEYS}), 'Bench', {PAYLOAD_SQL} "
-            "FROM generate_series(1, %s) AS i", (name, count))
+            "FROM generate_series(1, %s) AS i",
+            (name, count),
+        )
         await conn.execute("ANALYZE outbox")
     broker = f"sqs://?region=us-east-1&endpoint_url={endpoint}"
     env = relay_env(**AWS, AWS_ENDPOINT_URL_SQS=endpoint)
-    proc = res.relay("outbox", "outbox", "--once", "--database-url", url,
-                     "--broker-url", broker, env=env)
+    proc = res.relay(
+        "outbox", "outbox", "--once", "--database-url", url, "--broker-url", broker, env=env
+    )
     ready = await proc.wait_log("outbox relay started", timeout=60)
     code = await proc.wait_exit(timeout=max(120.0, count / 3))
     ended = time.monotonic()
@@ -365,19 +437,48 @@ async def scenario_sqs_ref(res: Resources, sz: Sizes, report: Report) -> None:
     # From the first claim to the exit: the boto3 client's start-up (after
     # the "started" line) left out, as the plain loop's is.
     batches = await scalar(url, "SELECT count(DISTINCT published_at) FROM outbox")
-    report.add("sqs_ref", "relay_outbox", count / (exited - first), "msgs/s",
-               note="from the first claim to the exit", batches=batches)
-    report.add("sqs_ref", "relay_outbox_wall", count / (ended - ready), "msgs/s",
-               note="from the 'started' log line to the exit")
+    report.add(
+        "sqs_ref",
+        "relay_outbox",
+        count / (exited - first),
+        "msgs/s",
+        note="from the first claim to the exit",
+        batches=batches,
+    )
+    report.add(
+        "sqs_ref",
+        "relay_outbox_wall",
+        count / (ended - ready),
+        "msgs/s",
+        note="from the 'started' log line to the exit",
+    )
 
     port = free_port()
-    proc = res.relay("inbox", "inbox", "--database-url", url, "--broker-url", broker,
-                     "--queue", name, "--handlers", "bench.handlers",
-                     "--http-port", str(port), env=env)
+    proc = res.relay(
+        "inbox",
+        "inbox",
+        "--database-url",
+        url,
+        "--broker-url",
+        broker,
+        "--queue",
+        name,
+        "--handlers",
+        "bench.handlers",
+        "--http-port",
+        str(port),
+        env=env,
+    )
     ready = await proc.wait_log("inbox started", timeout=60)
-    done = await wait_metric(proc, port, "relay_inbox_processed_total", count,
-                             timeout=max(120.0, count / 3), interval=0.05,
-                             fail_on="relay_inbox_failed_total")
+    done = await wait_metric(
+        proc,
+        port,
+        "relay_inbox_processed_total",
+        count,
+        timeout=max(120.0, count / 3),
+        interval=0.05,
+        fail_on="relay_inbox_failed_total",
+    )
     done_wall = time.time() - (time.monotonic() - done)
     code = await proc.stop()
     if code != 0:
@@ -388,10 +489,20 @@ async def scenario_sqs_ref(res: Resources, sz: Sizes, report: Report) -> None:
     first = await scalar(url, "SELECT extract(epoch FROM min(received_at))::float8 FROM inbox")
     # From the first batch stored to the last processed (the receiver
     # process's start-up and its first poll left out).
-    report.add("sqs_ref", "relay_inbox", count / (done_wall - first), "msgs/s",
-               note="from the first batch stored to the last processed")
-    report.add("sqs_ref", "relay_inbox_wall", count / (done - ready), "msgs/s",
-               note="from the 'started' log line to the last processed")
+    report.add(
+        "sqs_ref",
+        "relay_inbox",
+        count / (done_wall - first),
+        "msgs/s",
+        note="from the first batch stored to the last processed",
+    )
+    report.add(
+        "sqs_ref",
+        "relay_inbox_wall",
+        count / (done - ready),
+        "msgs/s",
+        note="from the 'started' log line to the last processed",
+    )
     loads.append(loadavg()[0])
     g = report.get
     for who, ref in (("outbox", "plain_send"), ("inbox", "plain_receive_delete")):
@@ -425,9 +536,22 @@ async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) ->
     await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
     receipts_file = res.workdir / "receipts.json"
     consumer = res.spawn(
-        "consumer", [sys.executable, "-m", "bench.consumer", "--amqp-url", AMQP_URL,
-                     "--queue", queue, "--out", str(receipts_file)],
-        relay_env(), stdin=True, stdout_pipe=True)
+        "consumer",
+        [
+            sys.executable,
+            "-m",
+            "bench.consumer",
+            "--amqp-url",
+            AMQP_URL,
+            "--queue",
+            queue,
+            "--out",
+            str(receipts_file),
+        ],
+        relay_env(),
+        stdin=True,
+        stdout_pipe=True,
+    )
     assert consumer.popen.stdout is not None and consumer.popen.stdin is not None
     line = await asyncio.wait_for(asyncio.to_thread(consumer.popen.stdout.readline), 30)
     if line.strip() != b"ready":
@@ -437,12 +561,33 @@ async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) ->
     producers = []
     for n in range(PRODUCERS):
         out = res.workdir / f"producer{n}.json"
-        proc = res.spawn(f"producer{n}", [
-            sys.executable, "-m", "bench.producer", "--database-url", url,
-            "--topic", "bench.latency", "--rate", str(OFFERED / PRODUCERS),
-            "--seconds", str(seconds), "--out", str(out),
-            "--lanes", str(PRODUCER_LANES), "--offset", str(n),
-            "--stride", str(PRODUCERS)], relay_env(), stdin=True, stdout_pipe=True)
+        proc = res.spawn(
+            f"producer{n}",
+            [
+                sys.executable,
+                "-m",
+                "bench.producer",
+                "--database-url",
+                url,
+                "--topic",
+                "bench.latency",
+                "--rate",
+                str(OFFERED / PRODUCERS),
+                "--seconds",
+                str(seconds),
+                "--out",
+                str(out),
+                "--lanes",
+                str(PRODUCER_LANES),
+                "--offset",
+                str(n),
+                "--stride",
+                str(PRODUCERS),
+            ],
+            relay_env(),
+            stdin=True,
+            stdout_pipe=True,
+        )
         producers.append((proc, out))
     for proc, _ in producers:  # imported and connected
         assert proc.popen.stdout is not None
@@ -477,24 +622,38 @@ async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) ->
     if missing:
         raise BenchError(f"{len(missing)} of {len(commits)} messages never arrived")
     warmup = min(0.5, seconds / 4)
-    latencies = sorted((receipts[m] - committed) * 1000
-                       for m, (committed, offset) in commits.items() if offset >= warmup)
-    extra = {"offered": OFFERED, "producers": PRODUCERS, "achieved": round(achieved, 1),
-             "messages": len(latencies), "warmup_s": warmup, "loadavg_1m": loads}
+    latencies = sorted(
+        (receipts[m] - committed) * 1000
+        for m, (committed, offset) in commits.items()
+        if offset >= warmup
+    )
+    extra = {
+        "offered": OFFERED,
+        "producers": PRODUCERS,
+        "achieved": round(achieved, 1),
+        "messages": len(latencies),
+        "warmup_s": warmup,
+        "loadavg_1m": loads,
+    }
     for q in (50, 95, 99):
         report.add("latency_offered", f"p{q}", percentile(latencies, q), "ms", **extra)
     report.add("latency_offered", "max", latencies[-1], "ms")
-    report.add("latency_offered", "achieved", achieved, "msgs/s",
-               note="offered rate not kept" if achieved < OFFERED * 0.95 else None)
+    report.add(
+        "latency_offered",
+        "achieved",
+        achieved,
+        "msgs/s",
+        note="offered rate not kept" if achieved < OFFERED * 0.95 else None,
+    )
     durations.sort()
     report.add("latency_offered", "commit_p50", percentile(durations, 50), "ms")
     report.add("latency_offered", "commit_p99", percentile(durations, 99), "ms")
     # Batches: transactions that published (published_at is each one's start).
-    batches = await scalar(url, "SELECT count(DISTINCT published_at) FROM outbox "
-                                "WHERE status = 'published'")
+    batches = await scalar(
+        url, "SELECT count(DISTINCT published_at) FROM outbox WHERE status = 'published'"
+    )
     if batches:
-        report.add("latency_offered", "mean_batch", len(commits) / batches, "rows",
-                   batches=batches)
+        report.add("latency_offered", "mean_batch", len(commits) / batches, "rows", batches=batches)
     if relay.popen.poll() is not None:
         raise BenchError(f"relay outbox exited {relay.popen.returncode}:\n{relay.tail()}")
 
@@ -552,11 +711,12 @@ async def scenario_multi(res: Resources, sz: Sizes, report: Report) -> None:
         await res.bind_queue(exchange, queue)
         await preload_outbox(url, count)
         name = url.rsplit("/", 1)[1]
-        xacts = ("SELECT xact_commit + xact_rollback FROM pg_stat_database "
-                 f"WHERE datname = '{name}'")
+        xacts = f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{name}'"
         before = await scalar(url, xacts)
-        started = [res.relay(f"outbox{procs}_{n}", "outbox", "--once",
-                             *_daemon_args(url, exchange)) for n in range(procs)]
+        started = [
+            res.relay(f"outbox{procs}_{n}", "outbox", "--once", *_daemon_args(url, exchange))
+            for n in range(procs)
+        ]
         for proc in started:
             await proc.wait_log("outbox relay started", timeout=120)
         for proc in started:
@@ -576,10 +736,21 @@ async def scenario_multi(res: Resources, sz: Sizes, report: Report) -> None:
         if received != count:
             raise BenchError(f"{procs} relays: the consumer got {received} of {count}")
         report.add("multi", f"rate_{procs}", rate, "msgs/s", messages=count, processes=procs)
-        report.add("multi", f"transactions_per_1000_rows_{procs}", spent / count * 1000,
-                   "xacts", note="every transaction in the database: claims, marks, LISTEN")
-        report.add("multi", f"order_violations_{procs}", violations, "msgs",
-                   duplicates=duplicates, keys=KEYS)
+        report.add(
+            "multi",
+            f"transactions_per_1000_rows_{procs}",
+            spent / count * 1000,
+            "xacts",
+            note="every transaction in the database: claims, marks, LISTEN",
+        )
+        report.add(
+            "multi",
+            f"order_violations_{procs}",
+            violations,
+            "msgs",
+            duplicates=duplicates,
+            keys=KEYS,
+        )
         await res.drop_database(url)
     loads.append(loadavg()[0])
     one, three = report.get("multi", "rate_1"), report.get("multi", "rate_3")

@@ -108,23 +108,58 @@ class Sizes:
     def scaled(self, factor: float) -> Sizes:
         if factor == 1:
             return self
-        counts = {f.name: max(100, int(getattr(self, f.name) * factor))
-                  for f in dataclasses.fields(self)
-                  if f.name not in ("naive_seconds", "latency_seconds", "scale_pending",
-                                    "latency_rates", "wire_rounds")}
+        counts = {
+            f.name: max(100, int(getattr(self, f.name) * factor))
+            for f in dataclasses.fields(self)
+            if f.name
+            not in (
+                "naive_seconds",
+                "latency_seconds",
+                "scale_pending",
+                "latency_rates",
+                "wire_rounds",
+            )
+        }
         small, large = self.scale_pending
-        return dataclasses.replace(self, **counts,
-                                   scale_pending=(small, max(small, int(large * factor))))
+        return dataclasses.replace(
+            self, **counts, scale_pending=(small, max(small, int(large * factor)))
+        )
 
 
-FULL = Sizes(limit_pg=100_000, limit_amqp=100_000, naive=100_000, naive_seconds=20.0,
-             drain=100_000, latency_seconds=10.0, inbox=100_000, sqs=1_000,
-             memory=1_000_000, scale_measured=50_000, scale_pending=(1_000, 1_000_000))
-QUICK = Sizes(limit_pg=20_000, limit_amqp=5_000, naive=3_000, naive_seconds=3.0,
-              drain=5_000, latency_seconds=2.0, inbox=5_000, sqs=300,
-              memory=3_000, scale_measured=5_000, scale_pending=(1_000, 10_000),
-             backlog=5_000, backlog_reference=2_000, retention_rows=10_000,
-             retention_measured=2_000, wire=5_000, wire_rounds=1, sqs_ref=100, multi=5_000)
+FULL = Sizes(
+    limit_pg=100_000,
+    limit_amqp=100_000,
+    naive=100_000,
+    naive_seconds=20.0,
+    drain=100_000,
+    latency_seconds=10.0,
+    inbox=100_000,
+    sqs=1_000,
+    memory=1_000_000,
+    scale_measured=50_000,
+    scale_pending=(1_000, 1_000_000),
+)
+QUICK = Sizes(
+    limit_pg=20_000,
+    limit_amqp=5_000,
+    naive=3_000,
+    naive_seconds=3.0,
+    drain=5_000,
+    latency_seconds=2.0,
+    inbox=5_000,
+    sqs=300,
+    memory=3_000,
+    scale_measured=5_000,
+    scale_pending=(1_000, 10_000),
+    backlog=5_000,
+    backlog_reference=2_000,
+    retention_rows=10_000,
+    retention_measured=2_000,
+    wire=5_000,
+    wire_rounds=1,
+    sqs_ref=100,
+    multi=5_000,
+)
 
 
 # --------------------------------------------------------------------------
@@ -137,12 +172,12 @@ class Report:
         self.figures: list[dict[str, Any]] = []
         self.scenarios: dict[str, dict[str, Any]] = {}
 
-    def add(self, scenario: str, name: str, value: float | None, unit: str,
-            **extra: Any) -> None:
+    def add(self, scenario: str, name: str, value: float | None, unit: str, **extra: Any) -> None:
         if isinstance(value, float):
             value = round(value, 3)
-        self.figures.append({"scenario": scenario, "figure": name, "value": value,
-                             "unit": unit, **extra})
+        self.figures.append(
+            {"scenario": scenario, "figure": name, "value": value, "unit": unit, **extra}
+        )
 
     def get(self, scenario: str, name: str) -> float | None:
         for f in self.figures:
@@ -151,13 +186,24 @@ class Report:
         return None
 
 
-def _rss_figures(report: Report, scenario: str, who: str, proc: Proc,
-                 start: float | None = None, end: float | None = None) -> dict[str, Any]:
+def _rss_figures(
+    report: Report,
+    scenario: str,
+    who: str,
+    proc: Proc,
+    start: float | None = None,
+    end: float | None = None,
+) -> dict[str, Any]:
     """Peak RSS of the daemon's processes; with a window, also the RSS at 10,
     50 and 90 % of it."""
     summary = proc.rss.summary(start, end)
-    report.add(scenario, f"{who}_peak_rss", summary["peak_mb"], "MB",
-               process_peaks_mb=summary["process_peaks_mb"])
+    report.add(
+        scenario,
+        f"{who}_peak_rss",
+        summary["peak_mb"],
+        "MB",
+        process_peaks_mb=summary["process_peaks_mb"],
+    )
     if start is not None:
         for pct in (10, 50, 90):
             if f"rss_{pct}pct_mb" in summary:
@@ -184,8 +230,15 @@ async def metrics(port: int) -> dict[str, float]:
     return samples
 
 
-async def wait_metric(proc: Proc, port: int, name: str, target: float, timeout: float,
-                      interval: float = 0.1, fail_on: str | None = None) -> float:
+async def wait_metric(
+    proc: Proc,
+    port: int,
+    name: str,
+    target: float,
+    timeout: float,
+    interval: float = 0.1,
+    fail_on: str | None = None,
+) -> float:
     """Poll /metrics until `name` reaches `target`; the monotonic time it did."""
     deadline = time.monotonic() + timeout
     last = 0.0
@@ -200,8 +253,10 @@ async def wait_metric(proc: Proc, port: int, name: str, target: float, timeout: 
             if last >= target:
                 return time.monotonic()
         if time.monotonic() > deadline:
-            raise BenchError(f"{proc.name}: {name} at {last:.0f} of {target:.0f} after "
-                             f"{timeout:.0f}s:\n{proc.tail()}")
+            raise BenchError(
+                f"{proc.name}: {name} at {last:.0f} of {target:.0f} after "
+                f"{timeout:.0f}s:\n{proc.tail()}"
+            )
         await asyncio.sleep(interval)
 
 
@@ -232,16 +287,16 @@ async def scenario_limit_pg(res: Resources, sz: Sizes, report: Report) -> None:
     rows, seconds = await limits.limit_pg(url, batch=500, workers=WORKERS)
     if rows != sz.limit_pg:
         raise BenchError(f"claimed {rows} of {sz.limit_pg} rows")
-    report.add("limit_pg", "rate", rows / seconds, "rows/s", rows=rows, batch=500,
-               workers=WORKERS)
+    report.add("limit_pg", "rate", rows / seconds, "rows/s", rows=rows, batch=500, workers=WORKERS)
 
 
 async def scenario_limit_amqp(res: Resources, sz: Sizes, report: Report) -> None:
     """Publish only: plain aio-pika, persistent, confirms, 1,000 in flight, no database."""
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
-    count, seconds = await limits.limit_amqp(AMQP_URL, exchange, "bench.limit",
-                                             sz.limit_amqp, window=1000)
+    count, seconds = await limits.limit_amqp(
+        AMQP_URL, exchange, "bench.limit", sz.limit_amqp, window=1000
+    )
     depth = await res.queue_depth(queue)
     if depth != count:
         raise BenchError(f"queue holds {depth} of {count} messages")
@@ -255,18 +310,33 @@ async def scenario_naive(res: Resources, sz: Sizes, report: Report) -> None:
     await res.bind_queue(exchange, queue)
     await insert_backlog(url, sz.naive, topic="bench.naive")
     done, seconds = await run_naive(url, AMQP_URL, exchange, seconds=sz.naive_seconds)
-    await _expect(url, "SELECT count(*) FROM outbox WHERE status = 'published'", done,
-                  "published rows")
+    await _expect(
+        url, "SELECT count(*) FROM outbox WHERE status = 'published'", done, "published rows"
+    )
     depth = await res.queue_depth(queue)
     if depth != done:
         raise BenchError(f"queue holds {depth} of {done} messages")
-    report.add("naive", "rate", done / seconds, "msgs/s", messages=done,
-               backlog=sz.naive, seconds=round(seconds, 2))
+    report.add(
+        "naive",
+        "rate",
+        done / seconds,
+        "msgs/s",
+        messages=done,
+        backlog=sz.naive,
+        seconds=round(seconds, 2),
+    )
 
 
-async def _outbox_once(res: Resources, report: Report, scenario: str, url: str,
-                       count: int, args: list[str], env: dict[str, str] | None = None,
-                       min_rate: float = 300) -> None:
+async def _outbox_once(
+    res: Resources,
+    report: Report,
+    scenario: str,
+    url: str,
+    count: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    min_rate: float = 300,
+) -> None:
     """Run `relay outbox --once` over a backlog of `count` rows and report its rates.
 
     It fails if the drain takes longer than at `min_rate` msgs/s (or 2 min)."""
@@ -276,11 +346,11 @@ async def _outbox_once(res: Resources, report: Report, scenario: str, url: str,
     ended, ended_wall = time.monotonic(), time.time()
     if code != 0:
         raise BenchError(f"relay outbox --once exited {code}:\n{proc.tail()}")
-    await _expect(url, "SELECT count(*) FROM outbox WHERE status = 'published'", count,
-                  "published rows")
+    await _expect(
+        url, "SELECT count(*) FROM outbox WHERE status = 'published'", count, "published rows"
+    )
     points = await batch_times(url, "outbox")
-    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count,
-               batches=len(points))
+    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count, batches=len(points))
     report.add(scenario, "rate_wall", count / (ended - ready), "msgs/s")
     report.add(scenario, "startup", ready - proc.started, "s")
     # From the start of the last batch to the exit: the last batch plus shutdown.
@@ -300,13 +370,12 @@ async def scenario_drain(res: Resources, sz: Sizes, report: Report) -> None:
         raise BenchError(f"queue holds {depth} of {sz.drain} messages")
 
 
-INSERT_ONE = (
-    "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
-)
+INSERT_ONE = "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
 
 
-async def produce(url: str, topic: str, rate: int, seconds: float
-                  ) -> tuple[dict[str, tuple[float, float]], float, list[float]]:
+async def produce(
+    url: str, topic: str, rate: int, seconds: float
+) -> tuple[dict[str, tuple[float, float]], float, list[float]]:
     """Commit single-row transactions at `rate` per second for `seconds`.
 
     Returns {message id: (time.time() right after the commit, scheduled
@@ -355,16 +424,26 @@ async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
         receipts_file = res.workdir / f"receipts_{rate}.json"
         consumer = res.spawn(
             f"consumer{rate}",
-            [sys.executable, "-m", "bench.consumer", "--amqp-url", AMQP_URL,
-             "--queue", queue, "--out", str(receipts_file)],
-            relay_env(), stdin=True, stdout_pipe=True,
+            [
+                sys.executable,
+                "-m",
+                "bench.consumer",
+                "--amqp-url",
+                AMQP_URL,
+                "--queue",
+                queue,
+                "--out",
+                str(receipts_file),
+            ],
+            relay_env(),
+            stdin=True,
+            stdout_pipe=True,
         )
         assert consumer.popen.stdout is not None and consumer.popen.stdin is not None
         line = await asyncio.wait_for(asyncio.to_thread(consumer.popen.stdout.readline), 30)
         if line.strip() != b"ready":
             raise BenchError(f"latency consumer did not start:\n{consumer.tail()}")
-        commits, achieved, durations = await produce(url, "bench.latency", rate,
-                                                      sz.latency_seconds)
+        commits, achieved, durations = await produce(url, "bench.latency", rate, sz.latency_seconds)
         consumer.popen.stdin.write(f"{len(commits)}\n".encode())
         consumer.popen.stdin.flush()
         code = await consumer.wait_exit(60)
@@ -373,17 +452,31 @@ async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
         receipts = orjson.loads(receipts_file.read_bytes())
         missing = [m for m in commits if m not in receipts]
         if missing:
-            raise BenchError(f"{len(missing)} of {len(commits)} messages at {rate}/s never "
-                             f"arrived (e.g. {missing[0]})")
-        latencies = sorted((receipts[m] - committed) * 1000
-                           for m, (committed, offset) in commits.items() if offset >= warmup)
-        extra = {"offered": rate, "achieved": round(achieved, 1), "messages": len(latencies),
-                 "warmup_s": warmup}
+            raise BenchError(
+                f"{len(missing)} of {len(commits)} messages at {rate}/s never "
+                f"arrived (e.g. {missing[0]})"
+            )
+        latencies = sorted(
+            (receipts[m] - committed) * 1000
+            for m, (committed, offset) in commits.items()
+            if offset >= warmup
+        )
+        extra = {
+            "offered": rate,
+            "achieved": round(achieved, 1),
+            "messages": len(latencies),
+            "warmup_s": warmup,
+        }
         for q in (50, 95, 99):
             report.add("latency", f"p{q}@{rate}", percentile(latencies, q), "ms", **extra)
         report.add("latency", f"max@{rate}", latencies[-1], "ms")
-        report.add("latency", f"achieved@{rate}", achieved, "msgs/s",
-                   note="offered rate not kept" if achieved < rate * 0.95 else None)
+        report.add(
+            "latency",
+            f"achieved@{rate}",
+            achieved,
+            "msgs/s",
+            note="offered rate not kept" if achieved < rate * 0.95 else None,
+        )
         # The producer's own INSERT+COMMIT: a slow disk or a busy machine shows here.
         durations.sort()
         report.add("latency", f"commit_p50@{rate}", percentile(durations, 50), "ms")
@@ -394,40 +487,56 @@ async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
     _rss_figures(report, "latency", "outbox", relay)
 
 
-async def _inbox_until(res: Resources, report: Report, scenario: str, url: str, count: int,
-                       args: list[str], env: dict[str, str] | None = None,
-                       min_rate: float = 200) -> None:
+async def _inbox_until(
+    res: Resources,
+    report: Report,
+    scenario: str,
+    url: str,
+    count: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    min_rate: float = 200,
+) -> None:
     """Run `relay inbox` until `count` rows are processed and report its rates.
 
     It fails if that takes longer than at `min_rate` msgs/s (or 2 min)."""
     port = free_port()
-    proc = res.relay("inbox", "inbox", *args, "--handlers", "bench.handlers",
-                     "--http-port", str(port), env=env)
+    proc = res.relay(
+        "inbox", "inbox", *args, "--handlers", "bench.handlers", "--http-port", str(port), env=env
+    )
     ready = await proc.wait_log("inbox started", timeout=60)
-    done = await wait_metric(proc, port, "relay_inbox_processed_total", count,
-                             timeout=max(120.0, count / min_rate),
-                             fail_on="relay_inbox_failed_total")
+    done = await wait_metric(
+        proc,
+        port,
+        "relay_inbox_processed_total",
+        count,
+        timeout=max(120.0, count / min_rate),
+        fail_on="relay_inbox_failed_total",
+    )
     samples = await metrics(port)
     code = await proc.stop()
     if code != 0:
         raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
-    await _expect(url, "SELECT count(*) FROM inbox WHERE status = 'processed'", count,
-                  "processed inbox rows")
+    await _expect(
+        url, "SELECT count(*) FROM inbox WHERE status = 'processed'", count, "processed inbox rows"
+    )
     await _expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
     points = await batch_times(url, "inbox")
-    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count,
-               batches=len(points))
+    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count, batches=len(points))
     # Receiving alone (insert batches): tells which half limits the daemon.
     received = await batch_times(url, "inbox", "received_at")
-    report.add(scenario, "receive_rate", steady_rate(received), "msgs/s",
-               batches=len(received))
+    report.add(scenario, "receive_rate", steady_rate(received), "msgs/s", batches=len(received))
     report.add(scenario, "rate_wall", count / (done - ready), "msgs/s")
     report.add(scenario, "startup", ready - proc.started, "s")
     # The daemon's own histogram: one handler run (its savepoint is not timed).
     handled = samples.get("relay_inbox_handler_seconds_count")
     if handled:
-        report.add(scenario, "handler_mean", samples["relay_inbox_handler_seconds_sum"]
-                   / handled * 1000, "ms")
+        report.add(
+            scenario,
+            "handler_mean",
+            samples["relay_inbox_handler_seconds_sum"] / handled * 1000,
+            "ms",
+        )
     _rss_figures(report, scenario, "inbox", proc)
 
 
@@ -441,8 +550,9 @@ async def scenario_inbox(res: Resources, sz: Sizes, report: Report) -> None:
     depth = await res.queue_depth(queue)
     if depth != sz.inbox:
         raise BenchError(f"queue holds {depth} of {sz.inbox} messages before the run")
-    await _inbox_until(res, report, "inbox", url, sz.inbox,
-                       [*_daemon_args(url, exchange), "--queue", queue])
+    await _inbox_until(
+        res, report, "inbox", url, sz.inbox, [*_daemon_args(url, exchange), "--queue", queue]
+    )
     depth = await res.queue_depth(queue)
     if depth:
         raise BenchError(f"{depth} messages left in the queue")
@@ -452,7 +562,8 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
     """Outbox and inbox against moto's SQS (figures only)."""
     if importlib.util.find_spec("relay.brokers.sqs") is None:
         report.scenarios.setdefault("sqs", {})["skipped"] = (
-            "relay.brokers.sqs does not exist in this checkout")
+            "relay.brokers.sqs does not exist in this checkout"
+        )
         return
     import boto3
 
@@ -469,10 +580,19 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
         if time.monotonic() > deadline:
             raise BenchError("moto_server did not start in 30s")
         await asyncio.sleep(0.1)
-    aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_SQS": endpoint}
-    client = boto3.client("sqs", region_name="us-east-1", endpoint_url=endpoint,
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    aws = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_SQS": endpoint,
+    }
+    client = boto3.client(
+        "sqs",
+        region_name="us-east-1",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     queue = f"bench-sqs-{uuid.uuid4().hex[:8]}"
     queue_url = (await asyncio.to_thread(client.create_queue, QueueName=queue))["QueueUrl"]
     url = await res.database()
@@ -480,17 +600,34 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
     await insert_backlog(url, sz.sqs, topic=queue)
     broker = f"sqs://?region=us-east-1&endpoint_url={endpoint}"
     env = relay_env(**aws)
-    await _outbox_once(res, report, "sqs_outbox", url, sz.sqs,
-                       ["--database-url", url, "--broker-url", broker], env, min_rate=3)
+    await _outbox_once(
+        res,
+        report,
+        "sqs_outbox",
+        url,
+        sz.sqs,
+        ["--database-url", url, "--broker-url", broker],
+        env,
+        min_rate=3,
+    )
     attributes = await asyncio.to_thread(
-        client.get_queue_attributes, QueueUrl=queue_url,
-        AttributeNames=["ApproximateNumberOfMessages"])
+        client.get_queue_attributes,
+        QueueUrl=queue_url,
+        AttributeNames=["ApproximateNumberOfMessages"],
+    )
     depth = int(attributes["Attributes"]["ApproximateNumberOfMessages"])
     if depth != sz.sqs:
         raise BenchError(f"SQS queue holds {depth} of {sz.sqs} messages")
-    await _inbox_until(res, report, "sqs_inbox", url, sz.sqs,
-                       ["--database-url", url, "--broker-url", broker, "--queue", queue], env,
-                       min_rate=3)
+    await _inbox_until(
+        res,
+        report,
+        "sqs_inbox",
+        url,
+        sz.sqs,
+        ["--database-url", url, "--broker-url", broker, "--queue", queue],
+        env,
+        min_rate=3,
+    )
 
 
 async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
@@ -502,34 +639,60 @@ async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
     await res.bind_queue(exchange, queue)
     await insert_backlog(url, count, topic="bench.memory")
     in_port, out_port = free_port(), free_port()
-    inbox = res.relay("inbox", "inbox", *_daemon_args(url, exchange), "--queue", queue,
-                      "--handlers", "bench.handlers", "--http-port", str(in_port))
+    inbox = res.relay(
+        "inbox",
+        "inbox",
+        *_daemon_args(url, exchange),
+        "--queue",
+        queue,
+        "--handlers",
+        "bench.handlers",
+        "--http-port",
+        str(in_port),
+    )
     await inbox.wait_log("inbox started", timeout=60)
-    outbox = res.relay("outbox", "outbox", *_daemon_args(url, exchange),
-                       "--http-port", str(out_port))
+    outbox = res.relay(
+        "outbox", "outbox", *_daemon_args(url, exchange), "--http-port", str(out_port)
+    )
     start = await outbox.wait_log("outbox relay started", timeout=60)
     interval = 1.0 if count >= 100_000 else 0.1
-    published = await wait_metric(outbox, out_port, "relay_outbox_published_total", count,
-                                  timeout=max(300.0, count / 150), interval=interval)
-    end = await wait_metric(inbox, in_port, "relay_inbox_processed_total", count,
-                            timeout=max(300.0, count / 150), interval=interval,
-                            fail_on="relay_inbox_failed_total")
+    published = await wait_metric(
+        outbox,
+        out_port,
+        "relay_outbox_published_total",
+        count,
+        timeout=max(300.0, count / 150),
+        interval=interval,
+    )
+    end = await wait_metric(
+        inbox,
+        in_port,
+        "relay_inbox_processed_total",
+        count,
+        timeout=max(300.0, count / 150),
+        interval=interval,
+        fail_on="relay_inbox_failed_total",
+    )
     for proc in (outbox, inbox):
         code = await proc.stop()
         if code != 0:
             raise BenchError(f"{proc.name} exited {code} on SIGTERM:\n{proc.tail()}")
     await _expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
     report.add("memory", "messages", count, "msgs")
-    report.add("memory", "outbox_rate", count / (published - start), "msgs/s",
-               note="outbox daemon, inbox consuming at the same time")
+    report.add(
+        "memory",
+        "outbox_rate",
+        count / (published - start),
+        "msgs/s",
+        note="outbox daemon, inbox consuming at the same time",
+    )
     report.add("memory", "pipeline_rate", count / (end - start), "msgs/s")
     # Each daemon's RSS over its own part: the outbox is done long before the inbox.
     for who, proc, until in (("outbox", outbox, published), ("inbox", inbox, end)):
         summary = _rss_figures(report, "memory", who, proc, start, until)
         first, last = summary.get("rss_10pct_mb"), summary.get("rss_90pct_mb")
         if first and last:
-            report.add("memory", f"{who}_rss_growth_10_to_90pct", (last - first) / first * 100,
-                       "%")
+            report.add("memory", f"{who}_rss_growth_10_to_90pct", (last - first) / first * 100, "%")
 
 
 async def scenario_scale(res: Resources, sz: Sizes, report: Report) -> None:
@@ -546,11 +709,18 @@ async def scenario_scale(res: Resources, sz: Sizes, report: Report) -> None:
         url = await res.database(f"scale{pending}")
         await insert_backlog(url, measured + pending, topic="bench.scale")
         port = free_port()
-        proc = res.relay(f"outbox{pending}", "outbox", *_daemon_args(url, exchange),
-                         "--http-port", str(port))
+        proc = res.relay(
+            f"outbox{pending}", "outbox", *_daemon_args(url, exchange), "--http-port", str(port)
+        )
         await proc.wait_log("outbox relay started", timeout=60)
-        await wait_metric(proc, port, "relay_outbox_published_total", measured,
-                          timeout=max(120.0, measured / 100), interval=0.05)
+        await wait_metric(
+            proc,
+            port,
+            "relay_outbox_published_total",
+            measured,
+            timeout=max(120.0, measured / 100),
+            interval=0.05,
+        )
         code = await proc.stop()
         if code != 0:
             raise BenchError(f"relay outbox exited {code} on SIGTERM:\n{proc.tail()}")
@@ -559,14 +729,20 @@ async def scenario_scale(res: Resources, sz: Sizes, report: Report) -> None:
         if not rate:
             raise BenchError(f"no steady rate with {pending} pending ({len(points)} batches)")
         costs.append(1e6 / rate)
-        report.add("scale", f"cost@{pending}_pending", 1e6 / rate, "us/msg",
-                   rate=round(rate, 1), measured_rows=measured, extra_pending=pending)
+        report.add(
+            "scale",
+            f"cost@{pending}_pending",
+            1e6 / rate,
+            "us/msg",
+            rate=round(rate, 1),
+            measured_rows=measured,
+            extra_pending=pending,
+        )
         await res.drop_database(url)
         channel = await (await res.amqp()).channel()
         await (await channel.declare_queue(queue, passive=True)).purge()
         await channel.close()
-    report.add("scale", "cost_ratio", costs[1] / costs[0], "x",
-               pending=list(sz.scale_pending))
+    report.add("scale", "cost_ratio", costs[1] / costs[0], "x", pending=list(sz.scale_pending))
 
 
 SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
@@ -601,21 +777,38 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
     g = report.get
     pg, amqp = g("limit_pg", "rate"), g("limit_amqp", "rate")
     if pg and amqp and g("limits", "combined") is None:
-        report.add("limits", "combined", 1 / (1 / pg + 1 / amqp), "msgs/s",
-                   formula="1 / (1/limit_pg + 1/limit_amqp)")
+        report.add(
+            "limits",
+            "combined",
+            1 / (1 / pg + 1 / amqp),
+            "msgs/s",
+            formula="1 / (1/limit_pg + 1/limit_amqp)",
+        )
     drain = g("drain", "rate")
     checks: list[dict[str, Any]] = []
 
-    def check(name: str, value: float | None, op: str, target: float | None,
-              unit: str = "", judged: bool = True) -> None:
+    def check(
+        name: str,
+        value: float | None,
+        op: str,
+        target: float | None,
+        unit: str = "",
+        judged: bool = True,
+    ) -> None:
         if value is None:
             return
         ok = None
         if target is not None and judged:
             ok = value >= target if op == ">=" else value <= target
-        checks.append({"check": name, "value": round(value, 3), "unit": unit,
-                       "target": f"{op} {target:g}{unit}" if target is not None else "-",
-                       "pass": ok})
+        checks.append(
+            {
+                "check": name,
+                "value": round(value, 3),
+                "unit": unit,
+                "target": f"{op} {target:g}{unit}" if target is not None else "-",
+                "pass": ok,
+            }
+        )
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
@@ -628,38 +821,99 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
     check("latency p99 at 2000/s", g("latency", "p99@2000"), "<=", 100, " ms")
     check("inbox / outbox drain", ratio(g("inbox", "rate"), drain), ">=", 0.5, "x")
     for who in ("outbox", "inbox"):
-        check(f"{who} peak RSS over the memory run", g("memory", f"{who}_peak_rss"),
-              "<=", 120, " MB", judged=not quick)
-        check(f"{who} RSS growth 10%->90% of the run",
-              g("memory", f"{who}_rss_growth_10_to_90pct"), "<=", 10, "%", judged=not quick)
-    check("cost at 1M pending / cost at 1k pending", g("scale", "cost_ratio"), "<=", 1.3, "x",
-          judged=not quick)
+        check(
+            f"{who} peak RSS over the memory run",
+            g("memory", f"{who}_peak_rss"),
+            "<=",
+            120,
+            " MB",
+            judged=not quick,
+        )
+        check(
+            f"{who} RSS growth 10%->90% of the run",
+            g("memory", f"{who}_rss_growth_10_to_90pct"),
+            "<=",
+            10,
+            "%",
+            judged=not quick,
+        )
+    check(
+        "cost at 1M pending / cost at 1k pending",
+        g("scale", "cost_ratio"),
+        "<=",
+        1.3,
+        "x",
+        judged=not quick,
+    )
     for who in ("outbox", "inbox"):
-        check(f"backlog: {who} last fifth / first fifth", g("backlog", f"{who}_last_over_first"),
-              ">=", 0.9, "x", judged=not quick)
-    check("backlog: inbox over the backlog / over 20,000",
-          ratio(g("backlog", "inbox_whole"), g("backlog", "inbox_reference_rate")), ">=", 0.9,
-          "x", judged=not quick)
+        check(
+            f"backlog: {who} last fifth / first fifth",
+            g("backlog", f"{who}_last_over_first"),
+            ">=",
+            0.9,
+            "x",
+            judged=not quick,
+        )
+    check(
+        "backlog: inbox over the backlog / over 20,000",
+        ratio(g("backlog", "inbox_whole"), g("backlog", "inbox_reference_rate")),
+        ">=",
+        0.9,
+        "x",
+        judged=not quick,
+    )
     for who in ("outbox", "inbox"):
-        check(f"retention: {who} with 1M finished rows / empty",
-              g("retention", f"{who}_full_over_empty"), ">=", 0.9, "x", judged=not quick)
+        check(
+            f"retention: {who} with 1M finished rows / empty",
+            g("retention", f"{who}_full_over_empty"),
+            ">=",
+            0.9,
+            "x",
+            judged=not quick,
+        )
     # Issue 21: each beside a reference measured in the same run.
-    check("21: outbox drain / wire-format limit (amqplib)", g("wire", "drain_over_limit"),
-          ">=", 0.85, "x")
+    check(
+        "21: outbox drain / wire-format limit (amqplib)",
+        g("wire", "drain_over_limit"),
+        ">=",
+        0.85,
+        "x",
+    )
     check("21: inbox / outbox drain (wire)", g("wire", "inbox_over_drain"), ">=", 0.8, "x")
-    check("21: SQS outbox / plain boto3 SendMessageBatch", g("sqs_ref", "outbox_over_plain"),
-          ">=", 0.9, "x")
-    check("21: SQS inbox / plain boto3 receive+delete", g("sqs_ref", "inbox_over_plain"),
-          ">=", 0.9, "x")
+    check(
+        "21: SQS outbox / plain boto3 SendMessageBatch",
+        g("sqs_ref", "outbox_over_plain"),
+        ">=",
+        0.9,
+        "x",
+    )
+    check(
+        "21: SQS inbox / plain boto3 receive+delete",
+        g("sqs_ref", "inbox_over_plain"),
+        ">=",
+        0.9,
+        "x",
+    )
     achieved = g("latency_offered", "achieved")
     kept = achieved is not None and achieved >= 0.95 * OFFERED
     for q, limit in ((50, 2), (99, 10)):
-        check(f"21: latency p{q} at {OFFERED:,}/s offered ({_fmt(achieved)}/s achieved)",
-              g("latency_offered", f"p{q}"), "<=", limit, " ms", judged=kept)
+        check(
+            f"21: latency p{q} at {OFFERED:,}/s offered ({_fmt(achieved)}/s achieved)",
+            g("latency_offered", f"p{q}"),
+            "<=",
+            limit,
+            " ms",
+            judged=kept,
+        )
     check("21: three outbox processes / one", g("multi", "three_over_one"), ">=", 0.9, "x")
     for procs in (1, 3):
-        check(f"21: per-key order violations, {procs} outbox process(es)",
-              g("multi", f"order_violations_{procs}"), "<=", 0, " msgs")
+        check(
+            f"21: per-key order violations, {procs} outbox process(es)",
+            g("multi", f"order_violations_{procs}"),
+            "<=",
+            0,
+            " msgs",
+        )
     return checks
 
 
@@ -688,24 +942,49 @@ def print_table(report: Report, checks: list[dict[str, Any]]) -> None:
         return f["unit"] + (f" ({' + '.join(map(str, peaks))})" if len(peaks) > 1 else "")
 
     rows = [(f["scenario"], f["figure"], _fmt(f["value"]), unit(f)) for f in report.figures]
-    widths = [max(len(r[i]) for r in [("scenario", "figure", "value", "unit"), *rows])
-              for i in range(4)]
+    widths = [
+        max(len(r[i]) for r in [("scenario", "figure", "value", "unit"), *rows]) for i in range(4)
+    ]
     line = "  ".join
     print()
-    print(line(h.ljust(w) for h, w in zip(("scenario", "figure", "value", "unit"), widths,
-                                          strict=True)))
+    print(
+        line(
+            h.ljust(w) for h, w in zip(("scenario", "figure", "value", "unit"), widths, strict=True)
+        )
+    )
     print(line("-" * w for w in widths))
     for r in rows:
-        print(line([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]),
-                    r[3].ljust(widths[3])]))
+        print(
+            line(
+                [
+                    r[0].ljust(widths[0]),
+                    r[1].ljust(widths[1]),
+                    r[2].rjust(widths[2]),
+                    r[3].ljust(widths[3]),
+                ]
+            )
+        )
     if checks:
-        crow = [(c["check"], _fmt(c["value"]) + c["unit"], c["target"],
-                 {True: "PASS", False: "MISS", None: "n/a"}[c["pass"]]) for c in checks]
-        cw = [max(len(r[i]) for r in [("target", "measured", "want", "result"), *crow])
-              for i in range(4)]
+        crow = [
+            (
+                c["check"],
+                _fmt(c["value"]) + c["unit"],
+                c["target"],
+                {True: "PASS", False: "MISS", None: "n/a"}[c["pass"]],
+            )
+            for c in checks
+        ]
+        cw = [
+            max(len(r[i]) for r in [("target", "measured", "want", "result"), *crow])
+            for i in range(4)
+        ]
         print()
-        print(line(h.ljust(w) for h, w in zip(("target", "measured", "want", "result"), cw,
-                                              strict=True)))
+        print(
+            line(
+                h.ljust(w)
+                for h, w in zip(("target", "measured", "want", "result"), cw, strict=True)
+            )
+        )
         print(line("-" * w for w in cw))
         for r in crow:
             print(line([r[0].ljust(cw[0]), r[1].rjust(cw[1]), r[2].ljust(cw[2]), r[3]]))
@@ -720,8 +999,15 @@ async def server_settings() -> dict[str, str]:
     """The PostgreSQL settings that move these figures, of the server in use."""
     async with await connect(db_url("postgres"), autocommit=True) as conn:
         settings = {}
-        for name in ("server_version", "shared_buffers", "synchronous_commit", "fsync",
-                     "autovacuum", "autovacuum_naptime", "max_connections"):
+        for name in (
+            "server_version",
+            "shared_buffers",
+            "synchronous_commit",
+            "fsync",
+            "autovacuum",
+            "autovacuum_naptime",
+            "max_connections",
+        ):
             row = await (await conn.execute(f"SHOW {name}")).fetchone()
             settings[name] = row[0] if row else ""
     return settings
@@ -776,12 +1062,14 @@ async def run(args: argparse.Namespace) -> int:
     info["loadavg_start"] = loadavg()
     mode = "quick" if quick else "full"
     out = Path(args.out) if args.out else RESULTS / "latest.json"
-    print(f"relay benchmark ({mode}), {info['nproc']} cores, load average "
-          f"{info['loadavg_start']}, PostgreSQL {info.get('postgresql')}, "
-          f"RabbitMQ {info.get('rabbitmq')}", flush=True)
+    print(
+        f"relay benchmark ({mode}), {info['nproc']} cores, load average "
+        f"{info['loadavg_start']}, PostgreSQL {info.get('postgresql')}, "
+        f"RabbitMQ {info.get('rabbitmq')}",
+        flush=True,
+    )
     if info["loadavg_start"][0] >= 1.0:
-        print("warning: the machine is busy (load average >= 1.0); figures will be low",
-              flush=True)
+        print("warning: the machine is busy (load average >= 1.0); figures will be low", flush=True)
 
     def save(checks: list[dict[str, Any]], interrupted: bool) -> None:
         info["loadavg_end"] = loadavg()
@@ -831,8 +1119,11 @@ async def run(args: argparse.Namespace) -> int:
             if problems:
                 state["cleanup_problems"] = problems
         state["seconds"] = round(time.monotonic() - began, 1)
-        print("skipped" if state.get("skipped") else "ERROR" if state.get("error") else "ok",
-              f"({state['seconds']}s)", flush=True)
+        print(
+            "skipped" if state.get("skipped") else "ERROR" if state.get("error") else "ok",
+            f"({state['seconds']}s)",
+            flush=True,
+        )
         save(evaluate(report, quick), interrupted)  # a long run keeps what it measured
         if interrupted:
             break
@@ -850,22 +1141,37 @@ async def run(args: argparse.Namespace) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.run", description="relay's benchmark (issue 7).")
-    parser.add_argument("--quick", action="store_true",
-                        help="a few thousand messages per scenario; memory and scale at "
-                             "smoke size, their targets not judged")
-    parser.add_argument("--only", type=lambda s: [n.strip() for n in s.split(",") if n.strip()],
-                        help=f"comma-separated scenarios: {','.join(SCENARIOS)}")
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="multiply every message count by this (default 1)")
-    parser.add_argument("--backlog", type=int,
-                        help="messages per daemon in the backlog scenario "
-                             "[default: 1,000,000; --quick 5,000]")
-    parser.add_argument("--shared-postgres", action="store_true",
-                        help="run backlog and retention on BENCH_PG_URL's server too, instead "
-                             "of a cluster of their own with the default settings")
-    parser.add_argument("--out", help="JSON results file [default: bench/results/latest.json "
-                                      "and a timestamped copy]")
+        prog="python -m bench.run", description="relay's benchmark (issue 7)."
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few thousand messages per scenario; memory and scale at "
+        "smoke size, their targets not judged",
+    )
+    parser.add_argument(
+        "--only",
+        type=lambda s: [n.strip() for n in s.split(",") if n.strip()],
+        help=f"comma-separated scenarios: {','.join(SCENARIOS)}",
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every message count by this (default 1)"
+    )
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        help="messages per daemon in the backlog scenario [default: 1,000,000; --quick 5,000]",
+    )
+    parser.add_argument(
+        "--shared-postgres",
+        action="store_true",
+        help="run backlog and retention on BENCH_PG_URL's server too, instead "
+        "of a cluster of their own with the default settings",
+    )
+    parser.add_argument(
+        "--out",
+        help="JSON results file [default: bench/results/latest.json and a timestamped copy]",
+    )
     args = parser.parse_args()
     unknown = [n for n in args.only or [] if n not in SCENARIOS]
     if unknown:

@@ -74,8 +74,9 @@ def client_of_backends(database: str) -> dict[int, int]:
     `ss -tnp` (the client's port)."""
     owners: dict[int, int] = {}
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        for line in subprocess.run(["ss", "-tnpH"], capture_output=True, text=True,
-                                   timeout=10).stdout.splitlines():
+        for line in subprocess.run(
+            ["ss", "-tnpH"], capture_output=True, text=True, timeout=10
+        ).stdout.splitlines():
             parts = line.split()
             match = re.search(r"pid=(\d+)", line)
             if len(parts) >= 5 and match and parts[4].endswith(":5432"):
@@ -90,8 +91,9 @@ def client_of_backends(database: str) -> dict[int, int]:
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return ""
 
@@ -166,8 +168,10 @@ def hottest(raw: Path, top: int = 25) -> list[str]:
         n = int(count)
         total += n
         # A function's frames counted together, whatever the line.
-        frames = [f[:60] if f.startswith("process ") else re.sub(r":\d+\)$", ")", f)
-                  for f in stack.split(";")]
+        frames = [
+            f[:60] if f.startswith("process ") else re.sub(r":\d+\)$", ")", f)
+            for f in stack.split(";")
+        ]
         own[frames[-1]] += n
         for frame in set(frames):
             inclusive[frame] += n
@@ -198,15 +202,35 @@ async def main(args: argparse.Namespace) -> None:
             await _create_effects(url)
             await fill_queue(res, exchange, queue, count)
             port = free_port()
-            daemon_args = ["inbox", *_daemon_args(url, exchange), "--queue", queue,
-                           "--handlers", args.handlers, "--http-port", str(port)]
+            daemon_args = [
+                "inbox",
+                *_daemon_args(url, exchange),
+                "--queue",
+                queue,
+                "--handlers",
+                args.handlers,
+                "--http-port",
+                str(port),
+            ]
         argv = [*relay_command(), *daemon_args]
         if args.py_spy:
             out = Path(args.py_spy) / f"{args.daemon}.raw"
             out.parent.mkdir(parents=True, exist_ok=True)
             spy = str(Path(sys.executable).parent / "py-spy")
-            argv = [spy, "record", "--subprocesses", "--format", "raw", "--rate", "250",
-                    "--nonblocking", "-o", str(out), "--", *argv]
+            argv = [
+                spy,
+                "record",
+                "--subprocesses",
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "--nonblocking",
+                "-o",
+                str(out),
+                "--",
+                *argv,
+            ]
         load = loadavg()
         proc = res.spawn(args.daemon, argv)
         tree = TreeCpu(proc.pid)
@@ -217,8 +241,11 @@ async def main(args: argparse.Namespace) -> None:
         # From here on: start-up (imports, connections) left out.
         tree.sample()
         at_start = {pid: seconds for pid, (_, seconds) in tree.seen.items()}
-        servers = [ServerCpu("beam.smp"), ServerCpu("postgres"),
-                   ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " ")]
+        servers = [
+            ServerCpu("beam.smp"),
+            ServerCpu("postgres"),
+            ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " "),
+        ]
         for server in servers:
             server.start()
         watchers = [asyncio.create_task(server.run(stop)) for server in servers]
@@ -228,13 +255,25 @@ async def main(args: argparse.Namespace) -> None:
         backend_clients = await asyncio.to_thread(client_of_backends, database)
         publish_seconds = None
         if args.daemon == "outbox":
-            ended = await wait_metric(proc, port, "relay_outbox_published_total", count,
-                                      timeout=max(300.0, count / 150), interval=0.2)
+            ended = await wait_metric(
+                proc,
+                port,
+                "relay_outbox_published_total",
+                count,
+                timeout=max(300.0, count / 150),
+                interval=0.2,
+            )
             publish_seconds = (await metrics(port)).get("relay_outbox_publish_seconds_sum")
         else:
-            await wait_metric(proc, port, "relay_inbox_processed_total", count,
-                              timeout=max(300.0, count / 150), interval=0.5,
-                              fail_on="relay_inbox_failed_total")
+            await wait_metric(
+                proc,
+                port,
+                "relay_inbox_processed_total",
+                count,
+                timeout=max(300.0, count / 150),
+                interval=0.5,
+                fail_on="relay_inbox_failed_total",
+            )
         tree.sample()
         # py-spy writes its samples once the daemon it runs exits.
         daemon = descendants(proc.pid)[0] if args.py_spy else proc.pid
@@ -250,15 +289,19 @@ async def main(args: argparse.Namespace) -> None:
         backends = servers[2].used()
         table = "outbox" if args.daemon == "outbox" else "inbox"
         rate = steady_rate(await batch_times(url, table))
-        print(f"{args.daemon}: {count:,} messages, {rate or 0:,.0f} msgs/s (steady), "
-              f"load average {load} -> {loadavg()}")
+        print(
+            f"{args.daemon}: {count:,} messages, {rate or 0:,.0f} msgs/s (steady), "
+            f"load average {load} -> {loadavg()}"
+        )
         print("CPU per message, µs (from the daemon's 'started' line to the end):")
         for pid, (label, seconds) in tree.seen.items():
             if "py-spy" not in label:
                 spent = seconds - at_start.get(pid, 0.0)
                 print(f"  {spent / count * 1e6:7.1f}  {label}")
-        print(f"  {backends / count * 1e6:7.1f}  postgresql: the backends of this "
-              "benchmark's database; by the client process at the other end:")
+        print(
+            f"  {backends / count * 1e6:7.1f}  postgresql: the backends of this "
+            "benchmark's database; by the client process at the other end:"
+        )
         by_client: collections.Counter[str] = collections.Counter()
         labels = {pid: label for pid, (label, _) in tree.seen.items()}
         for backend, seconds in servers[2].last.items():
@@ -268,14 +311,18 @@ async def main(args: argparse.Namespace) -> None:
         for label, seconds in by_client.most_common():
             print(f"  {seconds / count * 1e6:9.1f}  {label}")
         for name, seconds in used.items():
-            print(f"  {seconds / count * 1e6:7.1f}  {name} (all its processes, other "
-                  "clients included)")
+            print(
+                f"  {seconds / count * 1e6:7.1f}  {name} (all its processes, other "
+                "clients included)"
+            )
         if publish_seconds is not None:
             # Each worker's time from its first write to the batch's last
             # confirm, against the time the workers had.
             share = publish_seconds / (WORKERS * (ended - began))
-            print(f"outbox workers' time publishing (write to last confirm): {share:.0%}; "
-                  "the rest: claim, mark, commit, waiting for the event loop")
+            print(
+                f"outbox workers' time publishing (write to last confirm): {share:.0%}; "
+                "the rest: claim, mark, commit, waiting for the event loop"
+            )
         if args.py_spy:
             print("\n".join(hottest(Path(args.py_spy) / f"{args.daemon}.raw")))
     finally:
@@ -293,8 +340,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.where")
     parser.add_argument("daemon", choices=("outbox", "inbox"))
     parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--handlers", default="bench.handlers",
-                        help="inbox: bench.handlers (one INSERT) or bench.handlers:noop")
+    parser.add_argument(
+        "--handlers",
+        default="bench.handlers",
+        help="inbox: bench.handlers (one INSERT) or bench.handlers:noop",
+    )
     parser.add_argument("--py-spy", metavar="DIR", help="record the daemon with py-spy into DIR")
     os.chdir(REPO)
     asyncio.run(main(parser.parse_args()))

@@ -53,5 +53,4 @@ async def retry(
         await store.close()
 
 
-
 __all__ = ["apply_schema", "dead_keys", "retry", "table_status"]

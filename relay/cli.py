@@ -47,48 +47,114 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
 
 
 def _common(f: F) -> F:
-    for decorator in reversed([
-        option("--database-url", required=True, help="postgresql://user:pass@host:port/db"),
-        option("--log-level", default="INFO", show_default=True,
-               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)),
-        option("--log-format", default="text", show_default=True,
-               type=click.Choice(["text", "json"])),
-    ]):
+    for decorator in reversed(
+        [
+            option("--database-url", required=True, help="postgresql://user:pass@host:port/db"),
+            option(
+                "--log-level",
+                default="INFO",
+                show_default=True,
+                type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+            ),
+            option(
+                "--log-format",
+                default="text",
+                show_default=True,
+                type=click.Choice(["text", "json"]),
+            ),
+        ]
+    ):
         f = decorator(f)
     return f
 
 
 def _daemon_options(f: F) -> F:
-    for decorator in reversed([
-        option("--broker-url", required=True,
-               help="amqp://user:pass@host:port/vhost (several RabbitMQ nodes: comma-separated) "
-                    "or sqs://[?region=..&endpoint_url=..]"),
-        option("--batch-size", type=click.IntRange(min=1), default=500, show_default=True,
-               help="rows claimed per batch"),
-        option("--poll-interval", type=click.FloatRange(min=0, min_open=True), default=1.0,
-               show_default=True, help="seconds between polls when no notification arrives"),
-        option("--max-attempts", type=click.IntRange(min=1), default=10, show_default=True,
-               help="a row whose attempts reach this is dead"),
-        option("--backoff-min", type=click.FloatRange(min=0), default=1.0, show_default=True,
-               help="seconds: shortest retry delay"),
-        option("--backoff-max", type=click.FloatRange(min=0), default=300.0, show_default=True,
-               help="seconds: longest retry delay"),
-        option("--exchange", default="relay", show_default=True,
-               help="RabbitMQ topic exchange (declared durable if missing)"),
-        option("--http-port", type=click.IntRange(0, 65535), default=0, show_default=True,
-               help="port for /healthz, /readyz and /metrics (0: none)"),
-        option("--shutdown-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
-               show_default=True, help="seconds to finish the batch in hand on SIGTERM"),
-        option("--retention", type=Duration(), default=None,
-               help="keep finished rows this long: 90s, 30m, 24h, 7d or seconds "
-                    "[default: outbox 1d, inbox 7d]"),
-        option("--on-dead", type=click.Choice(["skip", "block"]), default="skip",
-               show_default=True, help="skip: later rows of a dead row's key go on; "
-                                       "block: the key waits until the row is retried"),
-        option("--listen-url", default=None,
-               help="direct postgresql:// URL for LISTEN, when --database-url goes "
-                    "through a pooler such as PgBouncer [default: --database-url]"),
-    ]):
+    for decorator in reversed(
+        [
+            option(
+                "--broker-url",
+                required=True,
+                help="amqp://user:pass@host:port/vhost (several RabbitMQ nodes: comma-separated) "
+                "or sqs://[?region=..&endpoint_url=..]",
+            ),
+            option(
+                "--batch-size",
+                type=click.IntRange(min=1),
+                default=500,
+                show_default=True,
+                help="rows claimed per batch",
+            ),
+            option(
+                "--poll-interval",
+                type=click.FloatRange(min=0, min_open=True),
+                default=1.0,
+                show_default=True,
+                help="seconds between polls when no notification arrives",
+            ),
+            option(
+                "--max-attempts",
+                type=click.IntRange(min=1),
+                default=10,
+                show_default=True,
+                help="a row whose attempts reach this is dead",
+            ),
+            option(
+                "--backoff-min",
+                type=click.FloatRange(min=0),
+                default=1.0,
+                show_default=True,
+                help="seconds: shortest retry delay",
+            ),
+            option(
+                "--backoff-max",
+                type=click.FloatRange(min=0),
+                default=300.0,
+                show_default=True,
+                help="seconds: longest retry delay",
+            ),
+            option(
+                "--exchange",
+                default="relay",
+                show_default=True,
+                help="RabbitMQ topic exchange (declared durable if missing)",
+            ),
+            option(
+                "--http-port",
+                type=click.IntRange(0, 65535),
+                default=0,
+                show_default=True,
+                help="port for /healthz, /readyz and /metrics (0: none)",
+            ),
+            option(
+                "--shutdown-timeout",
+                type=click.FloatRange(min=0, min_open=True),
+                default=30.0,
+                show_default=True,
+                help="seconds to finish the batch in hand on SIGTERM",
+            ),
+            option(
+                "--retention",
+                type=Duration(),
+                default=None,
+                help="keep finished rows this long: 90s, 30m, 24h, 7d or seconds "
+                "[default: outbox 1d, inbox 7d]",
+            ),
+            option(
+                "--on-dead",
+                type=click.Choice(["skip", "block"]),
+                default="skip",
+                show_default=True,
+                help="skip: later rows of a dead row's key go on; "
+                "block: the key waits until the row is retried",
+            ),
+            option(
+                "--listen-url",
+                default=None,
+                help="direct postgresql:// URL for LISTEN, when --database-url goes "
+                "through a pooler such as PgBouncer [default: --database-url]",
+            ),
+        ]
+    ):
         f = decorator(f)
     return _common(f)
 
@@ -99,8 +165,9 @@ def _setup_logs(kwargs: dict[str, Any]) -> None:
         *config.url_passwords(kwargs.get("broker_url")),
         config.url_password(kwargs.get("listen_url")),
     ]
-    logs.setup(kwargs.pop("log_level", "INFO"), kwargs.pop("log_format", "text"),
-               [s for s in secrets if s])
+    logs.setup(
+        kwargs.pop("log_level", "INFO"), kwargs.pop("log_format", "text"), [s for s in secrets if s]
+    )
 
 
 def _fail_config(exc: Exception) -> None:
@@ -185,9 +252,13 @@ def schema_sql() -> None:
 @_daemon_options
 @click.option("--once", is_flag=True, help="publish every row due now, then exit 0")
 # Checked by the settings (one line on stderr), not by click (a usage block).
-@option("--on-unroutable", metavar="publish|fail", default="publish", show_default=True,
-        help="RabbitMQ: a message no queue is bound for is published (and counted) "
-             "or a failed attempt")
+@option(
+    "--on-unroutable",
+    metavar="publish|fail",
+    default="publish",
+    show_default=True,
+    help="RabbitMQ: a message no queue is bound for is published (and counted) or a failed attempt",
+)
 def outbox(once: bool, **kwargs: Any) -> None:
     """The outbox relay: publish committed outbox rows to the broker."""
     _setup_logs(kwargs)
@@ -200,21 +271,47 @@ def outbox(once: bool, **kwargs: Any) -> None:
 @cli.command()
 @_daemon_options
 @option("--queue", required=True, help="queue to consume (RabbitMQ: declared durable if missing)")
-@option("--bind", "binds", multiple=True,
-        help="bind the queue to the exchange with this pattern (repeatable; RabbitMQ only)")
-@option("--handlers", multiple=True,
-        help="module:attribute or module (its `registry`), repeatable "
-             "[default: the relay.handlers entry points]")
+@option(
+    "--bind",
+    "binds",
+    multiple=True,
+    help="bind the queue to the exchange with this pattern (repeatable; RabbitMQ only)",
+)
+@option(
+    "--handlers",
+    multiple=True,
+    help="module:attribute or module (its `registry`), repeatable "
+    "[default: the relay.handlers entry points]",
+)
 @option("--consumer-name", default=None, help="dedup scope [default: the queue name]")
-@option("--prefetch", type=click.IntRange(min=1), default=1000, show_default=True,
-        help="unacknowledged messages the broker may send ahead")
-@option("--handler-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
-        show_default=True, help="seconds; a handler running longer fails that attempt")
-@option("--queue-type", metavar="classic|quorum", default=None,
-        help="RabbitMQ queue type when relay declares the queue [default: classic]")
-@option("--queue-arg", "queue_args", multiple=True, metavar="NAME=VALUE",
-        help="RabbitMQ queue argument when relay declares the queue (repeatable; "
-             "an integer value is sent as one), e.g. x-max-length=100000")
+@option(
+    "--prefetch",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="unacknowledged messages the broker may send ahead",
+)
+@option(
+    "--handler-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="seconds; a handler running longer fails that attempt",
+)
+@option(
+    "--queue-type",
+    metavar="classic|quorum",
+    default=None,
+    help="RabbitMQ queue type when relay declares the queue [default: classic]",
+)
+@option(
+    "--queue-arg",
+    "queue_args",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="RabbitMQ queue argument when relay declares the queue (repeatable; "
+    "an integer value is sent as one), e.g. x-max-length=100000",
+)
 def inbox(**kwargs: Any) -> None:
     """The inbox daemon: consume a queue into the inbox table and dispatch rows to handlers."""
     _setup_logs(kwargs)
@@ -235,22 +332,51 @@ def inbox(**kwargs: Any) -> None:
 
 @cli.command()
 @option("--database-url", required=True, help="postgresql://user:pass@host:port/db")
-@option("--broker-url", default=None,
-        help="amqp://user:pass@host:port/vhost or sqs://… (not needed with --producer-only)")
-@option("--rate", type=click.FloatRange(min=0, min_open=True), default=200.0, show_default=True,
-        help="messages per second the producer offers")
-@option("--duration", type=click.FloatRange(min=0), default=0.0, show_default=True,
-        help="seconds to run, then stop and exit 0 (0: until Ctrl-C)")
+@option(
+    "--broker-url",
+    default=None,
+    help="amqp://user:pass@host:port/vhost or sqs://… (not needed with --producer-only)",
+)
+@option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=200.0,
+    show_default=True,
+    help="messages per second the producer offers",
+)
+@option(
+    "--duration",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="seconds to run, then stop and exit 0 (0: until Ctrl-C)",
+)
 @option("--exchange", default="relay", show_default=True, help="RabbitMQ topic exchange")
-@option("--queue", default="relay-demo", show_default=True,
-        help="the demo inbox's queue, bound to demo.#")
-@option("--http-port", type=click.IntRange(0, 65535), default=0, show_default=True,
-        help="port for /healthz, /readyz and /metrics (0: none)")
-@option("--producer-only", is_flag=True,
-        help="only produce and report; the daemons run elsewhere "
-             "(relay inbox --handlers relay.demo:registry)")
-@option("--log-level", default="INFO", show_default=True,
-        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@option(
+    "--queue",
+    default="relay-demo",
+    show_default=True,
+    help="the demo inbox's queue, bound to demo.#",
+)
+@option(
+    "--http-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="port for /healthz, /readyz and /metrics (0: none)",
+)
+@option(
+    "--producer-only",
+    is_flag=True,
+    help="only produce and report; the daemons run elsewhere "
+    "(relay inbox --handlers relay.demo:registry)",
+)
+@option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
 @option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]))
 def demo(producer_only: bool, **kwargs: Any) -> None:
     """Apply the schema, then run a producer, both daemons and a sample handler
@@ -291,8 +417,10 @@ def status(as_json: bool, **kwargs: Any) -> None:
         for consumer, keys, total in held.get(table, []):
             scope = table if consumer is None else f"{table} (consumer {_shown(consumer)})"
             more = f" and {total - len(keys)} more" if total > len(keys) else ""
-            click.echo(f"{scope}: keys held by dead rows (under --on-dead block): "
-                       f"{', '.join(_shown(k) for k in keys)}{more}")
+            click.echo(
+                f"{scope}: keys held by dead rows (under --on-dead block): "
+                f"{', '.join(_shown(k) for k in keys)}{more}"
+            )
 
 
 def _shown(value: str) -> str:
@@ -304,13 +432,18 @@ def _shown(value: str) -> str:
 
 @cli.command()
 @click.argument("table", type=click.Choice(["outbox", "inbox"]))
-@click.option("--id", "ids", multiple=True,
-              help="a row to retry (outbox: its id; inbox: its message_id); repeatable")
+@click.option(
+    "--id",
+    "ids",
+    multiple=True,
+    help="a row to retry (outbox: its id; inbox: its message_id); repeatable",
+)
 @click.option("--all-dead", is_flag=True, help="every dead row")
 @click.option("--consumer", default=None, help="inbox only: only this consumer's rows")
 @_common
-def retry(table: str, ids: tuple[str, ...], all_dead: bool, consumer: str | None,
-          **kwargs: Any) -> None:
+def retry(
+    table: str, ids: tuple[str, ...], all_dead: bool, consumer: str | None, **kwargs: Any
+) -> None:
     """Put dead (or the given) rows back to pending with attempts reset."""
     _setup_logs(kwargs)
     from relay.api import retry as retry_rows
@@ -334,22 +467,40 @@ def retry(table: str, ids: tuple[str, ...], all_dead: bool, consumer: str | None
 
 
 def _dead_filter(f: F) -> F:
-    for decorator in reversed([
-        click.option("--table", type=click.Choice(["outbox", "inbox"]), default=None,
-                     help="only this table [default: both]"),
-        click.option("--consumer", default=None, help="inbox only: this consumer's rows"),
-        click.option("--topic", default=None, help="rows of this topic"),
-        click.option("--type", "type_", default=None, help="rows of this message type"),
-        click.option("--key", default=None, help="rows of this key"),
-        click.option("--error", default=None,
-                     help="rows whose last_error contains this text (any case)"),
-        click.option("--group", default=None,
-                     help="rows of this error group, as `relay dead groups` prints it"),
-        click.option("--older-than", type=Duration(), default=None,
-                     help="rows written longer ago than this (90s, 30m, 24h, 7d)"),
-        click.option("--newer-than", type=Duration(), default=None,
-                     help="rows written more recently than this"),
-    ]):
+    for decorator in reversed(
+        [
+            click.option(
+                "--table",
+                type=click.Choice(["outbox", "inbox"]),
+                default=None,
+                help="only this table [default: both]",
+            ),
+            click.option("--consumer", default=None, help="inbox only: this consumer's rows"),
+            click.option("--topic", default=None, help="rows of this topic"),
+            click.option("--type", "type_", default=None, help="rows of this message type"),
+            click.option("--key", default=None, help="rows of this key"),
+            click.option(
+                "--error", default=None, help="rows whose last_error contains this text (any case)"
+            ),
+            click.option(
+                "--group",
+                default=None,
+                help="rows of this error group, as `relay dead groups` prints it",
+            ),
+            click.option(
+                "--older-than",
+                type=Duration(),
+                default=None,
+                help="rows written longer ago than this (90s, 30m, 24h, 7d)",
+            ),
+            click.option(
+                "--newer-than",
+                type=Duration(),
+                default=None,
+                help="rows written more recently than this",
+            ),
+        ]
+    ):
         f = decorator(f)
     return _common(f)
 
@@ -359,10 +510,16 @@ def _filter_from(kwargs: dict[str, Any]) -> Any:
 
     try:
         return DeadFilter(
-            table=kwargs.pop("table"), consumer=kwargs.pop("consumer"),
-            topic=kwargs.pop("topic"), type=kwargs.pop("type_"), key=kwargs.pop("key"),
-            error=kwargs.pop("error"), group=kwargs.pop("group"),
-            older_than=kwargs.pop("older_than"), newer_than=kwargs.pop("newer_than"))
+            table=kwargs.pop("table"),
+            consumer=kwargs.pop("consumer"),
+            topic=kwargs.pop("topic"),
+            type=kwargs.pop("type_"),
+            key=kwargs.pop("key"),
+            error=kwargs.pop("error"),
+            group=kwargs.pop("group"),
+            older_than=kwargs.pop("older_than"),
+            newer_than=kwargs.pop("newer_than"),
+        )
     except DeadError as exc:
         _fail_config(exc)
 
@@ -393,8 +550,13 @@ def dead() -> None:
 
 @dead.command("list")
 @_dead_filter
-@click.option("--limit", type=click.IntRange(min=0), default=100, show_default=True,
-              help="rows per page (0: every row, page after page)")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="rows per page (0: every row, page after page)",
+)
 @click.option("--after", default=None, help="the cursor a previous page printed")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON array")
 def dead_list(limit: int, after: str | None, as_json: bool, **kwargs: Any) -> None:
@@ -418,9 +580,11 @@ def dead_list(limit: int, after: str | None, as_json: bool, **kwargs: Any) -> No
     else:
         for r in rows:
             scope = r.table if r.consumer is None else f"inbox/{_shown(r.consumer)}"
-            click.echo(f"{scope}\t{r.id}\t{r.written_at:%Y-%m-%d %H:%M:%S}\t"
-                       f"topic={_maybe(r.topic)} type={_maybe(r.type)} key={_maybe(r.key)} "
-                       f"attempts={r.attempts}\t{r.error}")
+            click.echo(
+                f"{scope}\t{r.id}\t{r.written_at:%Y-%m-%d %H:%M:%S}\t"
+                f"topic={_maybe(r.topic)} type={_maybe(r.type)} key={_maybe(r.key)} "
+                f"attempts={r.attempts}\t{r.error}"
+            )
         if not rows:
             click.echo("no dead rows", err=True)
     if cursor is not None:
@@ -433,17 +597,21 @@ def _maybe(value: str | None) -> str:
 
 @dead.command("show")
 @click.argument("row_id", metavar="ID")
-@click.option("--table", type=click.Choice(["outbox", "inbox"]), default=None,
-              help="the row's table, when the id is dead in both")
+@click.option(
+    "--table",
+    type=click.Choice(["outbox", "inbox"]),
+    default=None,
+    help="the row's table, when the id is dead in both",
+)
 @click.option("--consumer", default=None, help="inbox: the row's consumer")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @_common
-def dead_show(row_id: str, table: str | None, consumer: str | None, as_json: bool,
-              **kwargs: Any) -> None:
+def dead_show(
+    row_id: str, table: str | None, consumer: str | None, as_json: bool, **kwargs: Any
+) -> None:
     """Print one dead row: payload, headers, raw body, attempts and the full last_error."""
     _setup_logs(kwargs)
-    row = _dead_run(lambda d: d.get(row_id, table=table, consumer=consumer),
-                    kwargs["database_url"])
+    row = _dead_run(lambda d: d.get(row_id, table=table, consumer=consumer), kwargs["database_url"])
     if as_json:
         click.echo(json.dumps(row.to_json()))
         return
@@ -461,8 +629,19 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
     _setup_logs(kwargs)
     groups = _dead_run(lambda d: d.groups(where), kwargs["database_url"])
     if as_json:
-        click.echo(json.dumps([{"table": g.table, "error": g.error, "count": g.count,
-                                "newest": g.newest.isoformat()} for g in groups]))
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        "table": g.table,
+                        "error": g.error,
+                        "count": g.count,
+                        "newest": g.newest.isoformat(),
+                    }
+                    for g in groups
+                ]
+            )
+        )
         return
     for g in groups:
         click.echo(f"{g.count}\t{g.table}\t{g.error}")
@@ -472,8 +651,12 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
 
 @dead.command("retry")
 @click.option("--id", "ids", multiple=True, help="only this row (repeatable)")
-@click.option("--all", "every", is_flag=True, help="every dead row that matches (needed "
-                                                   "when no filter and no --id is given)")
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="every dead row that matches (needed when no filter and no --id is given)",
+)
 @_dead_filter
 def dead_retry(ids: tuple[str, ...], every: bool, **kwargs: Any) -> None:
     """Put the dead rows that match back to pending with attempts reset."""
@@ -487,25 +670,42 @@ def dead_retry(ids: tuple[str, ...], every: bool, **kwargs: Any) -> None:
 
 @dead.command("edit")
 @click.argument("row_id", metavar="ID")
-@click.option("--table", type=click.Choice(["outbox", "inbox"]), default=None,
-              help="the row's table, when the id is dead in both")
+@click.option(
+    "--table",
+    type=click.Choice(["outbox", "inbox"]),
+    default=None,
+    help="the row's table, when the id is dead in both",
+)
 @click.option("--consumer", default=None, help="inbox: the row's consumer")
 @click.option("--payload", default=None, help="the new payload: JSON text, or @FILE")
 @click.option("--headers", default=None, help="the new headers: a JSON object, or @FILE")
-@click.option("--retry/--no-retry", default=True, show_default=True,
-              help="retry the row once edited")
+@click.option(
+    "--retry/--no-retry", default=True, show_default=True, help="retry the row once edited"
+)
 @_common
-def dead_edit(row_id: str, table: str | None, consumer: str | None, payload: str | None,
-              headers: str | None, retry: bool, **kwargs: Any) -> None:
+def dead_edit(
+    row_id: str,
+    table: str | None,
+    consumer: str | None,
+    payload: str | None,
+    headers: str | None,
+    retry: bool,
+    **kwargs: Any,
+) -> None:
     """Replace a dead row's payload or headers, then retry it."""
     _setup_logs(kwargs)
     payload, headers = _text_or_file(payload, "--payload"), _text_or_file(headers, "--headers")
-    before = _dead_run(lambda d: d.edit(row_id, table=table, consumer=consumer,
-                                        payload=payload, headers=headers, retry=retry),
-                       kwargs["database_url"])
+    before = _dead_run(
+        lambda d: d.edit(
+            row_id, table=table, consumer=consumer, payload=payload, headers=headers, retry=retry
+        ),
+        kwargs["database_url"],
+    )
     what = " and ".join(n for n, v in (("payload", payload), ("headers", headers)) if v)
-    click.echo(f"edited the {what} of {before.summary.table} row {row_id}"
-               + (" and retried it" if retry else ""))
+    click.echo(
+        f"edited the {what} of {before.summary.table} row {row_id}"
+        + (" and retried it" if retry else "")
+    )
 
 
 def _text_or_file(value: str | None, flag: str) -> str | None:
@@ -521,8 +721,12 @@ def _text_or_file(value: str | None, flag: str) -> str | None:
 
 @dead.command("discard")
 @click.option("--id", "ids", multiple=True, help="only this row (repeatable)")
-@click.option("--all", "every", is_flag=True, help="every dead row that matches (needed "
-                                                   "when no filter and no --id is given)")
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="every dead row that matches (needed when no filter and no --id is given)",
+)
 @click.option("--reason", default=None, help="kept with the discarded rows")
 @_dead_filter
 def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs: Any) -> None:
@@ -531,30 +735,49 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("discard which rows? give a filter, --id ID or --all"))
-    done = _dead_run(lambda d: d.discard(where, ids=ids, reason=reason),
-                     kwargs["database_url"])
-    click.echo(", ".join(f"discarded {n} {t} row{'s' if n != 1 else ''} (kept in "
-                         "relay_discarded)" for t, n in done.items()))
+    done = _dead_run(lambda d: d.discard(where, ids=ids, reason=reason), kwargs["database_url"])
+    click.echo(
+        ", ".join(
+            f"discarded {n} {t} row{'s' if n != 1 else ''} (kept in relay_discarded)"
+            for t, n in done.items()
+        )
+    )
 
 
 @cli.command()
 @_common
-@option("--host", default="127.0.0.1", show_default=True,
-        help="address to serve on (anything but loopback exposes the console)")
-@option("--port", type=click.IntRange(1, 65535), default=8089, show_default=True,
-        help="port to serve on")
-@option("--console-token", default=None, show_envvar=True,
-        help="the token that allows changes (prefer the variable); unset: read only")
+@option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="address to serve on (anything but loopback exposes the console)",
+)
+@option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=8089,
+    show_default=True,
+    help="port to serve on",
+)
+@option(
+    "--console-token",
+    default=None,
+    show_envvar=True,
+    help="the token that allows changes (prefer the variable); unset: read only",
+)
 def console(**kwargs: Any) -> None:
     """Serve the operator's web console: overview, dead messages, retry, edit, discard."""
     token = kwargs.pop("console_token") or None
     _setup_logs(kwargs)
     from relay.console.app import ConsoleSettings, serve
 
-    settings = _build(ConsoleSettings,
-                      database_url=_build(config.normalize_database_url,
-                                          url=kwargs["database_url"]),
-                      host=kwargs["host"], port=kwargs["port"], token=token)
+    settings = _build(
+        ConsoleSettings,
+        database_url=_build(config.normalize_database_url, url=kwargs["database_url"]),
+        host=kwargs["host"],
+        port=kwargs["port"],
+        token=token,
+    )
     sys.exit(_run(serve(settings)))
 
 

@@ -66,7 +66,7 @@ def _redact_one(url: str) -> str:
             head, _, tail = url.rpartition("@")
             colon = re.search(r":(?!/)", head)
             if colon:
-                return f"{head[:colon.start()]}:***@{tail}"
+                return f"{head[: colon.start()]}:***@{tail}"
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
@@ -224,8 +224,9 @@ class DaemonSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", normalize_database_url(self.database_url))
         if self.listen_url:
-            object.__setattr__(self, "listen_url",
-                               normalize_database_url(self.listen_url, "listen"))
+            object.__setattr__(
+                self, "listen_url", normalize_database_url(self.listen_url, "listen")
+            )
         else:
             object.__setattr__(self, "listen_url", None)
         _positive("batch-size", self.batch_size)
@@ -297,16 +298,20 @@ class InboxSettings(DaemonSettings):
             raise ConfigError("no queue: set --queue or RELAY_QUEUE")
         if self.queue_type not in (None, "classic", "quorum"):
             raise ConfigError(f"invalid --queue-type {self.queue_type!r}: use classic or quorum")
-        object.__setattr__(self, "queue_args", tuple(
-            parse_queue_arg(arg) if isinstance(arg, str) else arg for arg in self.queue_args
-        ))
+        object.__setattr__(
+            self,
+            "queue_args",
+            tuple(parse_queue_arg(arg) if isinstance(arg, str) else arg for arg in self.queue_args),
+        )
         asked = dict(self.queue_args).get("x-queue-type")
         if asked is not None and self.queue_type is not None and asked != self.queue_type:
             raise ConfigError(
                 f"--queue-arg x-queue-type={asked} contradicts --queue-type {self.queue_type}"
             )
-        if self.broker is not None and self.broker.kind == "sqs" and (
-            self.queue_type == "quorum" or self.queue_args
+        if (
+            self.broker is not None
+            and self.broker.kind == "sqs"
+            and (self.queue_type == "quorum" or self.queue_args)
         ):
             raise ConfigError(
                 "--queue-type and --queue-arg apply to RabbitMQ only: an SQS queue's "
@@ -331,9 +336,7 @@ def parse_queue_arg(text: str) -> tuple[str, str | int]:
     name, sep, value = text.partition("=")
     name = name.strip()
     if not sep or not name:
-        raise ConfigError(
-            f"invalid --queue-arg {text!r}: use NAME=VALUE (e.g. x-max-length=10000)"
-        )
+        raise ConfigError(f"invalid --queue-arg {text!r}: use NAME=VALUE (e.g. x-max-length=10000)")
     if len(name.encode()) > 255:
         raise ConfigError(f"invalid --queue-arg {name[:40]!r}...: the name is over 255 bytes")
     if not _INTEGER.match(value.strip()):

@@ -32,8 +32,6 @@ TABLES = ("outbox", "inbox")
 MAX_PAGE = 500
 
 
-
-
 @dataclass(frozen=True)
 class DeadFilter:
     """Which dead rows: every field that is set must match."""
@@ -96,10 +94,15 @@ class DeadSummary:
         else:
             out["message_id"] = self.id
             out["consumer"] = self.consumer
-        out.update(topic=self.topic, type=self.type, key=self.key, attempts=self.attempts,
-                   last_error=self.error, seq=self.seq)
-        out["created_at" if self.table == "outbox" else "received_at"] = (
-            self.written_at.isoformat())
+        out.update(
+            topic=self.topic,
+            type=self.type,
+            key=self.key,
+            attempts=self.attempts,
+            last_error=self.error,
+            seq=self.seq,
+        )
+        out["created_at" if self.table == "outbox" else "received_at"] = self.written_at.isoformat()
         out["available_at"] = self.available_at.isoformat()
         return out
 
@@ -118,8 +121,12 @@ class DeadRow:
 
     def to_json(self) -> dict[str, Any]:
         out = self.summary.to_json()
-        out.update(payload=self.payload, headers=self.headers, last_error=self.last_error,
-                   error_group=self.summary.error)
+        out.update(
+            payload=self.payload,
+            headers=self.headers,
+            last_error=self.last_error,
+            error_group=self.summary.error,
+        )
         if self.body is not None:
             out["body_base64"] = base64.b64encode(self.body).decode()
         if self.raw_properties is not None:
@@ -160,8 +167,11 @@ def summarize(rows: Sequence[DeadSummary], limit: int = 20) -> list[ErrorGroup]:
     for r in rows:
         g = found.get((r.table, r.error))
         found[(r.table, r.error)] = ErrorGroup(
-            r.table, r.error, (g.count if g else 0) + 1,
-            max(g.newest, r.written_at) if g else r.written_at)
+            r.table,
+            r.error,
+            (g.count if g else 0) + 1,
+            max(g.newest, r.written_at) if g else r.written_at,
+        )
     return sorted(found.values(), key=lambda g: (-g.count, g.table, g.error))[:limit]
 
 
@@ -188,15 +198,14 @@ class DeadMessages:
 
     # -- reading ----------------------------------------------------------------
 
-    async def page(self, where: DeadFilter, *, limit: int = 50,
-                   after: str | None = None) -> Page:
+    async def page(self, where: DeadFilter, *, limit: int = 50, after: str | None = None) -> Page:
         """One page of dead rows, newest first; outbox rows before inbox rows."""
         if not 1 <= limit <= MAX_PAGE:
             raise DeadError(f"a page holds 1 to {MAX_PAGE} rows")
         position = parse_cursor(after)
         tables = where.tables()
         if position is not None and position[0] in tables:
-            tables = tables[tables.index(position[0]):]
+            tables = tables[tables.index(position[0]) :]
         rows: list[DeadSummary] = []
         async with self._connect() as conn:
             for table in tables:
@@ -218,8 +227,9 @@ class DeadMessages:
                 counts[table] = await sql.count(conn, table, where, cap)
         return counts
 
-    async def groups(self, where: DeadFilter, limit: int = 100,
-                     newest: int | None = None) -> list[ErrorGroup]:
+    async def groups(
+        self, where: DeadFilter, limit: int = 100, newest: int | None = None
+    ) -> list[ErrorGroup]:
         """Dead rows by error group (exception type and first line), largest first;
         of only the `newest` rows of each table when given (a page's quick look)."""
         found: list[ErrorGroup] = []
@@ -231,8 +241,9 @@ class DeadMessages:
         found.sort(key=lambda g: (-g.count, g.table, g.error))
         return found[:limit]
 
-    async def get(self, row_id: str, *, table: str | None = None,
-                  consumer: str | None = None) -> DeadRow:
+    async def get(
+        self, row_id: str, *, table: str | None = None, consumer: str | None = None
+    ) -> DeadRow:
         """One dead row by its id (outbox) or message_id (inbox); NotFound or Ambiguous."""
         where = DeadFilter(table=table, consumer=consumer)
         found: list[DeadRow] = []
@@ -243,28 +254,36 @@ class DeadMessages:
             raise NotFound(f"no dead row with id {row_id!r}")
         if len(found) > 1:
             places = ", ".join(
-                r.summary.table if r.summary.consumer is None
-                else f"inbox consumer {r.summary.consumer!r}" for r in found)
-            raise Ambiguous(f"id {row_id!r} is dead in several places ({places}): "
-                            "say which with --table and --consumer")
+                r.summary.table
+                if r.summary.consumer is None
+                else f"inbox consumer {r.summary.consumer!r}"
+                for r in found
+            )
+            raise Ambiguous(
+                f"id {row_id!r} is dead in several places ({places}): "
+                "say which with --table and --consumer"
+            )
         return found[0]
 
-    async def _fetch(self, conn: AsyncConnection, table: str, row_id: str,
-                     consumer: str | None) -> list[DeadRow]:
+    async def _fetch(
+        self, conn: AsyncConnection, table: str, row_id: str, consumer: str | None
+    ) -> list[DeadRow]:
         if table == "outbox" and not _is_uuid(row_id):
             return []
         rows = []
         for r in await sql.get(conn, table, row_id, consumer):
             payload_text, headers_text, last_error, body, raw = r[10:]
-            rows.append(DeadRow(
-                summary=DeadSummary(table, *r[:10]),
-                payload=_loads(payload_text),
-                payload_text=payload_text,
-                headers=_loads(headers_text) or {},
-                body=bytes(body) if body is not None else None,
-                last_error=last_error,
-                raw_properties=raw,
-            ))
+            rows.append(
+                DeadRow(
+                    summary=DeadSummary(table, *r[:10]),
+                    payload=_loads(payload_text),
+                    payload_text=payload_text,
+                    headers=_loads(headers_text) or {},
+                    body=bytes(body) if body is not None else None,
+                    last_error=last_error,
+                    raw_properties=raw,
+                )
+            )
         return rows
 
     # -- changing -----------------------------------------------------------------
@@ -281,9 +300,16 @@ class DeadMessages:
                 done[table] = count
         return done
 
-    async def edit(self, row_id: str, *, table: str | None = None,
-                   consumer: str | None = None, payload: str | None = None,
-                   headers: str | None = None, retry: bool = True) -> DeadRow:
+    async def edit(
+        self,
+        row_id: str,
+        *,
+        table: str | None = None,
+        consumer: str | None = None,
+        payload: str | None = None,
+        headers: str | None = None,
+        retry: bool = True,
+    ) -> DeadRow:
         """Replace a dead row's payload and/or headers (JSON texts), then retry it
         (unless retry=False), in one transaction. Returns the row as it was."""
         if payload is None and headers is None:
@@ -293,16 +319,18 @@ class DeadMessages:
         before = await self.get(row_id, table=table, consumer=consumer)
         table, consumer = before.summary.table, before.summary.consumer
         async with self._transaction() as conn:
-            changed = await sql.edit(conn, table, row_id, consumer,
-                                     payload=new_payload, headers=new_headers)
+            changed = await sql.edit(
+                conn, table, row_id, consumer, payload=new_payload, headers=new_headers
+            )
             if changed != 1:
                 raise NotFound(f"the row {row_id!r} is no longer dead")
             if retry:
                 await _retry_rows(conn, table, [row_id], consumer)
         return before
 
-    async def discard(self, where: DeadFilter, *, ids: Sequence[str] = (),
-                      reason: str | None = None) -> dict[str, int]:
+    async def discard(
+        self, where: DeadFilter, *, ids: Sequence[str] = (), reason: str | None = None
+    ) -> dict[str, int]:
         """Delete dead rows matching `where` (and these ids), each copied whole into
         relay_discarded in the same transaction; returns how many per table."""
         done: dict[str, int] = {}
@@ -314,8 +342,9 @@ class DeadMessages:
                 done[table] = count
         return done
 
-    async def _select(self, conn: AsyncConnection, table: str, where: DeadFilter,
-                      ids: Sequence[str]) -> dict[str | None, list[str]]:
+    async def _select(
+        self, conn: AsyncConnection, table: str, where: DeadFilter, ids: Sequence[str]
+    ) -> dict[str | None, list[str]]:
         """Ids of the matching dead rows, locked, by consumer (None for the outbox)."""
         if ids and table == "outbox":
             ids = [i for i in ids if _is_uuid(i)]
@@ -336,14 +365,16 @@ class DeadMessages:
             yield conn
 
 
-async def _retry_rows(conn: AsyncConnection, table: str, ids: Sequence[str],
-                      consumer: str | None) -> int:
+async def _retry_rows(
+    conn: AsyncConnection, table: str, ids: Sequence[str], consumer: str | None
+) -> int:
     """The store's RETRY statement (that of `relay retry`) on these rows, then a wake-up."""
     return int(await retry_in(conn, table, ids=ids, all_dead=False, consumer=consumer))
 
 
-async def _discard_rows(conn: AsyncConnection, table: str, ids: Sequence[str],
-                        consumer: str | None, reason: str | None) -> int:
+async def _discard_rows(
+    conn: AsyncConnection, table: str, ids: Sequence[str], consumer: str | None, reason: str | None
+) -> int:
     return await sql.discard(conn, table, ids, consumer, reason)
 
 
@@ -397,6 +428,16 @@ async def open_dead(database_url: str) -> AsyncIterator[DeadMessages]:
 
 
 __all__ = [
-    "Ambiguous", "DeadError", "DeadFilter", "DeadMessages", "DeadRow", "DeadSummary",
-    "ErrorGroup", "NotFound", "Page", "open_dead", "parse_cursor", "summarize",
+    "Ambiguous",
+    "DeadError",
+    "DeadFilter",
+    "DeadMessages",
+    "DeadRow",
+    "DeadSummary",
+    "ErrorGroup",
+    "NotFound",
+    "Page",
+    "open_dead",
+    "parse_cursor",
+    "summarize",
 ]

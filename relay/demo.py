@@ -58,10 +58,16 @@ registry = HandlerRegistry()
 def on_demo_event(message: Message, conn: Connection) -> None:
     """Record the event, in the transaction that marks its inbox row processed."""
     payload = message.payload if isinstance(message.payload, dict) else {}
-    conn.execute(_INSERT_EVENT, {
-        "consumer": message.consumer, "message_id": message.id, "key": message.key,
-        "n": payload.get("n"), "traceparent": message.headers.get("traceparent"),
-    })
+    conn.execute(
+        _INSERT_EVENT,
+        {
+            "consumer": message.consumer,
+            "message_id": message.id,
+            "key": message.key,
+            "n": payload.get("n"),
+            "traceparent": message.headers.get("traceparent"),
+        },
+    )
     log.debug("demo event handled", extra={"action": "demo_handled"})
 
 
@@ -94,15 +100,21 @@ class DemoSettings:
 
     def outbox(self) -> OutboxSettings:
         return OutboxSettings(
-            database_url=self.database_url, broker=self.broker, exchange=self.exchange,
+            database_url=self.database_url,
+            broker=self.broker,
+            exchange=self.exchange,
             shutdown_timeout=SHUTDOWN_TIMEOUT,
         )
 
     def inbox(self) -> InboxSettings:
         binds = (BIND,) if self.broker is not None and self.broker.kind == "amqp" else ()
         return InboxSettings(
-            database_url=self.database_url, broker=self.broker, exchange=self.exchange,
-            queue=self.queue, binds=binds, shutdown_timeout=SHUTDOWN_TIMEOUT,
+            database_url=self.database_url,
+            broker=self.broker,
+            exchange=self.exchange,
+            queue=self.queue,
+            binds=binds,
+            shutdown_timeout=SHUTDOWN_TIMEOUT,
             # Smaller batches than the default commit more often: smoother rates.
             batch_size=INBOX_BATCH,
         )
@@ -117,8 +129,9 @@ def _traceparent() -> str:
     return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
 
-async def produce(store: Store, rate: float, topic: str, stop: asyncio.Event,
-                  counts: _Counts) -> None:
+async def produce(
+    store: Store, rate: float, topic: str, stop: asyncio.Event, counts: _Counts
+) -> None:
     """Enqueue DemoEvent rows at `rate` per second until `stop`."""
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -136,8 +149,11 @@ async def produce(store: Store, rate: float, topic: str, stop: asyncio.Event,
                 async with store.transaction() as conn:
                     for n in range(counts.produced, counts.produced + due):
                         await relay.enqueue_async(
-                            conn, topic, {"n": n, "produced_at": time.time()},
-                            key=f"customer-{n % KEYS}", type=TYPE,
+                            conn,
+                            topic,
+                            {"n": n, "produced_at": time.time()},
+                            key=f"customer-{n % KEYS}",
+                            type=TYPE,
                             headers={"traceparent": _traceparent()},
                         )
                 counts.produced += due
@@ -145,8 +161,12 @@ async def produce(store: Store, rate: float, topic: str, stop: asyncio.Event,
             except Unavailable as exc:
                 failures += 1
                 delay = reconnect.delay(failures)
-                log.warning("producer: %s; retrying in %.1fs", exc, delay,
-                            extra={"action": "reconnect_wait"})
+                log.warning(
+                    "producer: %s; retrying in %.1fs",
+                    exc,
+                    delay,
+                    extra={"action": "reconnect_wait"},
+                )
                 await sleep_unless(stop, delay)
                 continue
         await sleep_unless(stop, max(TICK, 1 / rate) if due < 1 else TICK)
@@ -160,8 +180,14 @@ async def _totals(store: Store, since: Any, consumer: str | None) -> tuple[int, 
     return int(published), int(handled), int(outbox_backlog), int(inbox_backlog)
 
 
-async def report(store: Store, since: Any, consumer: str | None, counts: _Counts,
-                 stop: asyncio.Event, out: TextIO) -> None:
+async def report(
+    store: Store,
+    since: Any,
+    consumer: str | None,
+    counts: _Counts,
+    stop: asyncio.Event,
+    out: TextIO,
+) -> None:
     """Print one line a second: rates over the last second and the backlogs."""
     tty = out.isatty()
     began = last_time = time.monotonic()
@@ -173,7 +199,8 @@ async def report(store: Store, since: Any, consumer: str | None, counts: _Counts
         now = time.monotonic()
         try:
             published, handled, outbox_backlog, inbox_backlog = await _totals(
-                store, since, consumer)
+                store, since, consumer
+            )
         except Unavailable as exc:
             line = f"{now - began:5.0f}s  database unavailable: {exc}"
         else:
@@ -181,7 +208,8 @@ async def report(store: Store, since: Any, consumer: str | None, counts: _Counts
             previous = last or (0, 0, 0)
             span = max(now - last_time, 1e-3)
             produced_rate, published_rate, handled_rate = (
-                (c - p) / span for c, p in zip(current, previous, strict=True))
+                (c - p) / span for c, p in zip(current, previous, strict=True)
+            )
             line = (
                 f"{now - began:5.0f}s  produced {produced_rate:6.0f}/s  "
                 f"published {published_rate:6.0f}/s  handled {handled_rate:6.0f}/s  "
@@ -220,12 +248,17 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
     if created:
         out.write(f"relay demo: created database {created!r}\n")
     applied = await prepare(settings.database_url)
-    out.write(f"relay demo: schema {'applied: ' + ', '.join(applied) if applied else 'up to date'}"
-              f"; producing {settings.rate:g} messages/s to topic {settings.topic!r}"
-              + ("" if settings.producer_only else
-                 f", exchange {settings.exchange!r}, queue {settings.queue!r}")
-              + (f" for {settings.duration:g}s" if settings.duration else "; Ctrl-C to stop")
-              + "\n")
+    out.write(
+        f"relay demo: schema {'applied: ' + ', '.join(applied) if applied else 'up to date'}"
+        f"; producing {settings.rate:g} messages/s to topic {settings.topic!r}"
+        + (
+            ""
+            if settings.producer_only
+            else f", exchange {settings.exchange!r}, queue {settings.queue!r}"
+        )
+        + (f" for {settings.duration:g}s" if settings.duration else "; Ctrl-C to stop")
+        + "\n"
+    )
     out.flush()
 
     store = Store(settings.database_url, pool_size=2)
@@ -237,8 +270,10 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
         started()
         # Produce once everything is connected and the queue is bound, so
         # that the first messages are not returned as unroutable.
-        waiters = {asyncio.ensure_future(daemon.started_event.wait()),
-                   asyncio.ensure_future(stop.wait())}
+        waiters = {
+            asyncio.ensure_future(daemon.started_event.wait()),
+            asyncio.ensure_future(stop.wait()),
+        }
         _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for waiter in pending:
             waiter.cancel()
@@ -268,8 +303,11 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
             demo,
         ]
     daemon = Daemon(
-        name="demo", services=services, shutdown_timeout=SHUTDOWN_TIMEOUT,
-        http_port=settings.http_port, own_process=True,
+        name="demo",
+        services=services,
+        shutdown_timeout=SHUTDOWN_TIMEOUT,
+        http_port=settings.http_port,
+        own_process=True,
     )
     code = await daemon.run()
     out.write(f"relay demo: produced {counts.produced} messages; exit status {code}\n")

@@ -121,7 +121,11 @@ async def call(fn: Handler, message: Message, conn: Any, timeout: float | None) 
 
 
 def call_from_sync(
-    fn: Handler, message: Message, conn: Any, async_conn: Any, timeout: float | None,
+    fn: Handler,
+    message: Message,
+    conn: Any,
+    async_conn: Any,
+    timeout: float | None,
     asynchronous: bool | None = None,
 ) -> None:
     """call() from sync code on `conn` (a sync Connection): a sync handler

@@ -46,7 +46,8 @@ WATCH_INTERVAL = 0.25
 CHECKPOINT_EVERY = 0.1
 ABORTED_BY_HANDLER = (
     "the handler returned, but left its transaction aborted by a failed "
-    "statement (was a database error caught and not raised again?)")
+    "statement (was a database error caught and not raised again?)"
+)
 
 
 class Dispatcher:
@@ -70,7 +71,8 @@ class Dispatcher:
         # Each type's handler and whether it is a coroutine function, looked up once.
         self.handlers: dict[str | None, tuple[Handler, bool]] = {
             type_: (handler, is_async(handler))
-            for type_ in registry.types if (handler := registry.get(type_)) is not None
+            for type_ in registry.types
+            if (handler := registry.get(type_)) is not None
         }
         self.metrics = metrics
         self.pace = pace
@@ -115,7 +117,8 @@ class Dispatcher:
         s = self.settings
         consumer = s.consumer_name
         rows, blocked = self.store.claim_inbox(
-            conn, consumer, s.batch_size, s.on_dead, self.worker, self.workers)
+            conn, consumer, s.batch_size, s.on_dead, self.worker, self.workers
+        )
         if not rows:
             return [], [], {}, blocked
         processed, failed = self._run_handlers(conn, async_conn, rows)
@@ -133,11 +136,19 @@ class Dispatcher:
         self.metrics.processed.inc(len(processed))
         for row, failure, delay in failed:
             report_failure(
-                log, self.metrics, "handler",
+                log,
+                self.metrics,
+                "handler",
                 failure.error.splitlines()[0] if failure.error else "",
-                dead=statuses.get(row.message_id) == "dead", delay=delay,
-                extra={"action": "handler_failed", "message_id": row.message_id,
-                       "type": row.type, "topic": row.topic, "attempts": row.attempts + 1},
+                dead=statuses.get(row.message_id) == "dead",
+                delay=delay,
+                extra={
+                    "action": "handler_failed",
+                    "message_id": row.message_id,
+                    "type": row.type,
+                    "topic": row.topic,
+                    "attempts": row.attempts + 1,
+                },
             )
         return len(processed) + len(failed), blocked
 
@@ -179,7 +190,8 @@ class Dispatcher:
                 pass  # failed before the roll back: recorded, not run again
             elif handler is None:
                 failure = Failure(
-                    f"no handler registered for message type {row.type!r}", permanent=True)
+                    f"no handler registered for message type {row.type!r}", permanent=True
+                )
             else:
                 now = time.monotonic()
                 if careful:
@@ -221,11 +233,15 @@ class Dispatcher:
             headers = storable.loads(row.headers) if row.headers else {}
             payload = storable.loads(row.payload) if row.payload is not None else None
         except ValueError as exc:  # stored by hand, or by an older relay
-            return Failure(f"the row cannot be given to a handler: its JSON is {exc}",
-                           permanent=True)
+            return Failure(
+                f"the row cannot be given to a handler: its JSON is {exc}", permanent=True
+            )
         # A body that was not JSON (dead on arrival, then retried): its raw bytes.
-        body = (self.store.inbox_body(conn, self.settings.consumer_name, row.message_id)
-                if row.payload is None else None)
+        body = (
+            self.store.inbox_body(conn, self.settings.consumer_name, row.message_id)
+            if row.payload is None
+            else None
+        )
         message = Message(
             id=row.message_id,
             type=row.type,
@@ -241,8 +257,13 @@ class Dispatcher:
         try:
             if tracing.enabled:
                 with tracing.process(
-                    self.messaging_system, message.consumer, row.message_id, row.topic,
-                    row.type, message.headers, row.attempts,
+                    self.messaging_system,
+                    message.consumer,
+                    row.message_id,
+                    row.topic,
+                    row.type,
+                    message.headers,
+                    row.attempts,
                 ) as span:
                     failure = self._call(handler, message, conn, async_conn, asynchronous)
                     if failure is not None:
@@ -255,9 +276,13 @@ class Dispatcher:
             return failure
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "handled", extra={"action": "handled", "message_id": row.message_id,
-                                  "type": row.type,
-                                  "traceparent": message.headers.get("traceparent")},
+                "handled",
+                extra={
+                    "action": "handled",
+                    "message_id": row.message_id,
+                    "type": row.type,
+                    "traceparent": message.headers.get("traceparent"),
+                },
             )
         return None
 
@@ -266,8 +291,9 @@ class Dispatcher:
     ) -> Failure | None:
         """Run one handler; its exception as a Failure (a lost database raises)."""
         try:
-            call_from_sync(handler, message, conn, async_conn, self.settings.handler_timeout,
-                           asynchronous)
+            call_from_sync(
+                handler, message, conn, async_conn, self.settings.handler_timeout, asynchronous
+            )
         except Unavailable:
             raise
         except Exception as exc:
@@ -421,15 +447,26 @@ class DispatcherThread:
                 "supervisor restarts it"
             )
             log.error(
-                "%s (message %s, type %r)", error, row.message_id, row.type,
-                extra={"action": "handler_hung", "message_id": row.message_id,
-                       "type": row.type, "attempts": row.attempts + 1},
+                "%s (message %s, type %r)",
+                error,
+                row.message_id,
+                row.type,
+                extra={
+                    "action": "handler_hung",
+                    "message_id": row.message_id,
+                    "type": row.type,
+                    "attempts": row.attempts + 1,
+                },
             )
             store = Store(settings.database_url, pool_size=1)
             try:
                 status = await store.fail_hung_handler(
-                    pid, settings.consumer_name, row, error,
-                    dispatcher.backoff.delay(row.attempts + 1), settings.max_attempts,
+                    pid,
+                    settings.consumer_name,
+                    row,
+                    error,
+                    dispatcher.backoff.delay(row.attempts + 1),
+                    settings.max_attempts,
                 )
             except Exception as exc:  # the restart is what matters; the count is best effort
                 log.error("could not record the hung handler's attempt: %r", exc)

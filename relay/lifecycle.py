@@ -138,7 +138,10 @@ class Daemon:
                 log.error(
                     "%s: the %s loop made no progress for %.0fs although the database and "
                     "broker answer; reporting unhealthy",
-                    self.name, service.name, now - since, extra={"action": "stalled"},
+                    self.name,
+                    service.name,
+                    now - since,
+                    extra={"action": "stalled"},
                 )
             return False
         return True
@@ -196,8 +199,11 @@ class Daemon:
     def _on_signal(self, signum: int) -> None:
         self._signals += 1
         if self._signals > 1:
-            log.warning("second %s: exiting at once", signal.Signals(signum).name,
-                        extra={"action": "exit_now"})
+            log.warning(
+                "second %s: exiting at once",
+                signal.Signals(signum).name,
+                extra={"action": "exit_now"},
+            )
             exit_now(EXIT_SIGNAL)
         self.request_stop(f"received {signal.Signals(signum).name}")
 
@@ -225,11 +231,17 @@ class Daemon:
                 try:
                     self.http_server = await start_http(self, self.http_port)
                 except OSError as exc:
-                    log.error("%s: cannot serve HTTP on port %d: %s", self.name, self.http_port,
-                              exc, extra={"action": "http_failed"})
+                    log.error(
+                        "%s: cannot serve HTTP on port %d: %s",
+                        self.name,
+                        self.http_port,
+                        exc,
+                        extra={"action": "http_failed"},
+                    )
                     return EXIT_FAILURE
                 self._tasks["http"] = asyncio.create_task(
-                    self.http_server.serve_forever(), name="http")
+                    self.http_server.serve_forever(), name="http"
+                )
             mains = [service.main(self._started_callback(service)) for service in self.services]
             self._main_task = asyncio.create_task(run_together(*mains), name=f"{self.name}-main")
             for service in self.services:
@@ -239,7 +251,8 @@ class Daemon:
             interval = watchdog_interval()
             if interval is not None:
                 self._tasks["watchdog"] = asyncio.create_task(
-                    self._watchdog(interval), name="watchdog")
+                    self._watchdog(interval), name="watchdog"
+                )
             code = await self._supervise()
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -269,7 +282,11 @@ class Daemon:
                 exc = None if task.cancelled() else task.exception()
                 log.error(
                     "%s: background task %r died: %r; exiting so that the supervisor restarts us",
-                    self.name, task_name, exc, exc_info=exc, extra={"action": "task_died"},
+                    self.name,
+                    task_name,
+                    exc,
+                    exc_info=exc,
+                    extra={"action": "task_died"},
                 )
                 self.request_stop(f"background task {task_name!r} died")
                 await self._finish_main()
@@ -287,7 +304,11 @@ class Daemon:
             raise exc  # the CLI turns it into exit status 2 with one clear line
         log.error(
             "%s: main loop crashed: %s: %s; exiting so that the supervisor restarts us",
-            self.name, type(exc).__name__, exc, exc_info=exc, extra={"action": "crashed"},
+            self.name,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+            extra={"action": "crashed"},
         )
         return EXIT_FAILURE
 
@@ -306,7 +327,9 @@ class Daemon:
             return self._outcome(task)
         log.warning(
             "%s: the batch in hand did not finish within the shutdown timeout (%gs); releasing it",
-            self.name, self.shutdown_timeout, extra={"action": "released"},
+            self.name,
+            self.shutdown_timeout,
+            extra={"action": "released"},
         )
         self.released = True
         task.cancel()

@@ -39,8 +39,12 @@ _current_message: contextvars.ContextVar[Message | None] = contextvars.ContextVa
 
 def message_fields(message: Message) -> dict[str, str]:
     """The log fields of a message: id, type, topic and traceparent when set."""
-    fields = {"message_id": message.id, "type": message.type, "topic": message.topic,
-              "traceparent": message.headers.get("traceparent")}
+    fields = {
+        "message_id": message.id,
+        "type": message.type,
+        "topic": message.topic,
+        "traceparent": message.headers.get("traceparent"),
+    }
     return {k: str(v) for k, v in fields.items() if v is not None}
 
 
@@ -70,6 +74,7 @@ def _with_context(fn: Handler) -> Handler:
     from relay.handlers import is_async
 
     if is_async(fn):
+
         @functools.wraps(fn)
         async def run_async(message: Message, conn: Any) -> Any:
             with message_context(message):
@@ -136,9 +141,7 @@ class RedactingFilter(logging.Filter):
                 if any(secret in text for secret in self.secrets):
                     setattr(record, key, self._clean(text))
             if record.exc_info and record.exc_info[1] is not None:
-                record.exc_text = self._clean(
-                    logging.Formatter().formatException(record.exc_info)
-                )
+                record.exc_text = self._clean(logging.Formatter().formatException(record.exc_info))
                 record.exc_info = None
         return True
 

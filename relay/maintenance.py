@@ -68,7 +68,10 @@ async def run_scheduler(
         metrics.deleted.inc(deleted)
         if deleted:
             log.info(
-                "retention deleted %d %s rows older than %.0fs", deleted, table, retention,
+                "retention deleted %d %s rows older than %.0fs",
+                deleted,
+                table,
+                retention,
                 extra={"action": "retention", "table": table, "deleted": deleted},
             )
 
@@ -90,7 +93,10 @@ async def run_scheduler(
     scheduler = AsyncIOScheduler(job_defaults={"coalesce": True, "max_instances": 1})
     now = datetime.now().astimezone()
     scheduler.add_job(
-        expire, "interval", seconds=retention_interval(retention), id="retention",
+        expire,
+        "interval",
+        seconds=retention_interval(retention),
+        id="retention",
         next_run_time=now + timedelta(seconds=RETENTION_FIRST_RUN),
     )
     scheduler.add_job(gauges, "interval", seconds=GAUGE_INTERVAL, id="gauges", next_run_time=now)

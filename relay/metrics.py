@@ -53,12 +53,18 @@ class _ClockedHistogram(Histogram):
 def _table_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
     """The daemon's table as autovacuum sees it (docs/backlog.md)."""
     return (
-        Gauge("relay_table_dead_tuples",
-              "Dead row versions of the table (pg_stat_user_tables.n_dead_tup)",
-              ["table"], registry=r),
-        Gauge("relay_table_last_vacuum_timestamp_seconds",
-              "Unix time of the table's last vacuum or autovacuum (0: never)",
-              ["table"], registry=r),
+        Gauge(
+            "relay_table_dead_tuples",
+            "Dead row versions of the table (pg_stat_user_tables.n_dead_tup)",
+            ["table"],
+            registry=r,
+        ),
+        Gauge(
+            "relay_table_last_vacuum_timestamp_seconds",
+            "Unix time of the table's last vacuum or autovacuum (0: never)",
+            ["table"],
+            registry=r,
+        ),
     )
 
 
@@ -76,7 +82,8 @@ class OutboxMetrics:
         self.unroutable = Counter(
             "relay_outbox_unroutable",
             "Outbox rows the broker confirmed but could route to no queue, by topic",
-            ["topic"], registry=r,
+            ["topic"],
+            registry=r,
         )
         self.deleted = Counter(
             "relay_outbox_deleted", "Published outbox rows deleted by retention", registry=r

@@ -127,10 +127,17 @@ class OutboxRelay:
             results = await self.publisher.publish(rows)
             self.metrics.publish_seconds.observe(time.perf_counter() - started)
             if spans is not None:
-                tracing.end_send(spans, [
-                    r.error if isinstance(r, Failure) else
-                    "not confirmed (connection lost)" if r is Outcome.RELEASE else None
-                    for r in results])
+                tracing.end_send(
+                    spans,
+                    [
+                        r.error
+                        if isinstance(r, Failure)
+                        else "not confirmed (connection lost)"
+                        if r is Outcome.RELEASE
+                        else None
+                        for r in results
+                    ],
+                )
             published: list[OutboxRow] = []
             failed: list[tuple[OutboxRow, Failure, float]] = []
             for row, result in zip(rows, results, strict=True):
@@ -141,18 +148,25 @@ class OutboxRelay:
                     self._note_unroutable(row)
                 elif isinstance(result, Failure):
                     failed.append((row, result, self.backoff.delay(row.attempts + 1)))
-            statuses = await session.finish([row.id for row in published], failed,
-                                            s.max_attempts)
+            statuses = await session.finish([row.id for row in published], failed, s.max_attempts)
         except BaseException:
             await session.abort()
             raise
         self.metrics.published.inc(len(published))
         for row, failure, delay in failed:
             report_failure(
-                log, self.metrics, "publish", failure.error,
-                dead=statuses.get(row.id) == "dead", delay=delay,
-                extra={"action": "publish_failed", "message_id": row.id,
-                       "topic": row.topic, "attempts": row.attempts + 1},
+                log,
+                self.metrics,
+                "publish",
+                failure.error,
+                dead=statuses.get(row.id) == "dead",
+                delay=delay,
+                extra={
+                    "action": "publish_failed",
+                    "message_id": row.id,
+                    "topic": row.topic,
+                    "attempts": row.attempts + 1,
+                },
             )
         # RELEASE rows stay pending, no attempt counted: held back behind a
         # failed row of their key, or unconfirmed because the connection broke.
@@ -176,7 +190,9 @@ class OutboxRelay:
             "unroutable: no queue is bound to exchange %r for topic %r; published anyway "
             "(%d more since the last notice; relay_outbox_unroutable_total counts them; "
             "--on-unroutable fail makes them failed attempts)",
-            self.settings.exchange, row.topic, since,
+            self.settings.exchange,
+            row.topic,
+            since,
             extra={"action": "unroutable", "message_id": row.id, "topic": row.topic},
         )
 
@@ -191,8 +207,7 @@ class OutboxRelay:
                 parsed = None
             headers.append(parsed if isinstance(parsed, dict) else {})
         destination = self.settings.exchange if broker == "amqp" else None
-        return tracing.start_send(rows, tracing.SYSTEMS.get(broker, broker), destination,
-                                  headers)
+        return tracing.start_send(rows, tracing.SYSTEMS.get(broker, broker), destination, headers)
 
     async def run(self, *, once: bool = False) -> None:
         """Run the workers until stop() (or, with once, until nothing is due)."""

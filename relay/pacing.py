@@ -66,14 +66,13 @@ class Pace:
         self.lead += rows
         self.stored_total += rows
 
-    def dispatched(
-        self, worker: int, rows: int, caught_up: bool, stored_before_claim: int
-    ) -> None:
+    def dispatched(self, worker: int, rows: int, caught_up: bool, stored_before_claim: int) -> None:
         """Called from a dispatcher's thread after each batch."""
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the main loop is closed: exiting
                 self._loop.call_soon_threadsafe(
-                    self._dispatched, worker, rows, caught_up, stored_before_claim)
+                    self._dispatched, worker, rows, caught_up, stored_before_claim
+                )
 
     def _dispatched(
         self, worker: int, rows: int, caught_up: bool, stored_before_claim: int

@@ -55,8 +55,12 @@ def _insert(
     _check_carried(topic, payload, key, type, headers)
     message_id = id if isinstance(id, uuid.UUID) else uuid.UUID(id) if id else uuid.uuid4()
     values: dict[str, Any] = {
-        "id": message_id, "topic": topic, "key": key, "type": type,
-        "payload": payload, "headers": headers,
+        "id": message_id,
+        "topic": topic,
+        "key": key,
+        "type": type,
+        "payload": payload,
+        "headers": headers,
     }
     if available_at is not None:
         values["available_at"] = available_at
@@ -91,17 +95,22 @@ def _check_carried(
     for what, text in texts:
         if text is not None and (why := problem(text)):
             raise InvalidMessage(f"{what} {why}: PostgreSQL's text cannot hold it")
-    for what, text in [("topic", topic), ("type", type), *texts[3:3 + len(headers)]]:
+    for what, text in [("topic", topic), ("type", type), *texts[3 : 3 + len(headers)]]:
         if text is not None and utf8_length(text) > MAX_SHORTSTR_BYTES:
-            raise InvalidMessage(f"{what} is longer than {MAX_SHORTSTR_BYTES} bytes, the AMQP "
-                             "limit for a routing key, a type or a header name")
+            raise InvalidMessage(
+                f"{what} is longer than {MAX_SHORTSTR_BYTES} bytes, the AMQP "
+                "limit for a routing key, a type or a header name"
+            )
     if key is not None and utf8_length(key) > MAX_KEY_BYTES:
-        raise InvalidMessage(f"key is longer than {MAX_KEY_BYTES} bytes, relay's limit for an "
-                         "ordering key (it is indexed)")
+        raise InvalidMessage(
+            f"key is longer than {MAX_KEY_BYTES} bytes, relay's limit for an "
+            "ordering key (it is indexed)"
+        )
     depth = value_depth(payload)
     if depth > MAX_JSON_DEPTH:
-        raise InvalidMessage(f"payload is nested more than {MAX_JSON_DEPTH} levels deep, "
-                         "relay's limit for JSON")
+        raise InvalidMessage(
+            f"payload is nested more than {MAX_JSON_DEPTH} levels deep, relay's limit for JSON"
+        )
     _check_json_values(payload)
 
 

@@ -55,9 +55,13 @@ class LocalReceiver:
     def __init__(self, settings: InboxSettings, pace: Gate, report: Report) -> None:
         assert settings.broker is not None
         self.consumer = make_consumer(
-            settings.broker, queue=settings.queue, exchange=settings.exchange,
-            binds=settings.binds, prefetch=settings.prefetch,
-            queue_type=settings.queue_type, queue_args=settings.queue_args,
+            settings.broker,
+            queue=settings.queue,
+            exchange=settings.exchange,
+            binds=settings.binds,
+            prefetch=settings.prefetch,
+            queue_type=settings.queue_type,
+            queue_args=settings.queue_args,
         )
         self.writer = InboxWriter(settings.database_url)
         self.receiver = Receiver(settings, self.writer, self.consumer, pace, report)
@@ -75,7 +79,8 @@ class LocalReceiver:
     async def start(self) -> bool:
         """Connect to the broker (waiting out outages); False if stopped first."""
         return await until_available(
-            self.consumer.connect, self.stopping, self.receiver.reconnect, log)
+            self.consumer.connect, self.stopping, self.receiver.reconnect, log
+        )
 
     async def run(self) -> None:
         await self.receiver.run()
@@ -146,7 +151,8 @@ async def _receive(reader: asyncio.StreamReader) -> ToChild | ToParent | None:
     try:
         head = await reader.readexactly(4)
         message: ToChild | ToParent = pickle.loads(
-            await reader.readexactly(int.from_bytes(head, "big")))
+            await reader.readexactly(int.from_bytes(head, "big"))
+        )
         return message
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
@@ -182,9 +188,15 @@ class ReceiverProcess:
         ours, theirs = socket.socketpair()
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-P", "-m", "relay.receiver_process",
-                str(theirs.fileno()), str(os.getpid()),
-                pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL,
+                sys.executable,
+                "-P",
+                "-m",
+                "relay.receiver_process",
+                str(theirs.fileno()),
+                str(os.getpid()),
+                pass_fds=(theirs.fileno(),),
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
             )
         except BaseException:
             ours.close()
@@ -192,8 +204,10 @@ class ReceiverProcess:
         finally:
             theirs.close()
         self._reader, self._writer = await asyncio.open_connection(sock=ours)
-        _send(self._writer, Start(self.settings, self.pace.limit,
-                                  logs.configuration() or ("INFO", "text", ())))
+        _send(
+            self._writer,
+            Start(self.settings, self.pace.limit, logs.configuration() or ("INFO", "text", ())),
+        )
         if self.stopping.is_set():
             _send(self._writer, Stop())
         log.debug("receiver process %d started", self._proc.pid)
@@ -287,7 +301,8 @@ async def _child(fd: int) -> int:
 
     try:
         await _receive_until_stopped(
-            LocalReceiver(start.settings, gate, report), reader, writer, gate)
+            LocalReceiver(start.settings, gate, report), reader, writer, gate
+        )
         return 0
     except ConfigError as exc:
         _send(writer, ConfigProblem(str(exc)))
@@ -299,7 +314,9 @@ async def _child(fd: int) -> int:
 
 
 async def _receive_until_stopped(
-    local: LocalReceiver, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    local: LocalReceiver,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
     gate: LeadGate,
 ) -> None:
     async def listen() -> None:

@@ -116,7 +116,10 @@ class Receiver:
                 delay = self.reconnect.delay(failures)
                 log.warning(
                     "cannot store %d received messages: %s; retrying in %.1fs",
-                    len(rows), exc, delay, extra={"action": "store_wait"},
+                    len(rows),
+                    exc,
+                    delay,
+                    extra={"action": "store_wait"},
                 )
                 await sleep_unless(self.stopping, delay)
         await self.consumer.ack(batch)
@@ -125,9 +128,13 @@ class Receiver:
             if row.status == "dead" and row.message_id in new:
                 dead += 1
                 log.warning(
-                    "stored as dead: %s", row.last_error,
-                    extra={"action": "received_dead", "message_id": row.message_id,
-                           "topic": row.topic},
+                    "stored as dead: %s",
+                    row.last_error,
+                    extra={
+                        "action": "received_dead",
+                        "message_id": row.message_id,
+                        "topic": row.topic,
+                    },
                 )
         self.report(len(rows), len(new), dead)
 
@@ -149,8 +156,10 @@ class Receiver:
                 refused = str(exc)
             else:
                 continue
-            for kept in (without_payload(row, message, refused),
-                         last_resort(row, message, refused)):
+            for kept in (
+                without_payload(row, message, refused),
+                last_resort(row, message, refused),
+            ):
                 try:
                     new |= await self.writer.insert(consumer, [kept])
                 except Refused as exc:

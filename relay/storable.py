@@ -97,7 +97,7 @@ def _check_depth(text: str | bytes) -> None:
 
 
 def _too_deep(depth: int) -> str:
-    return (f"JSON nested {depth} levels deep, over relay's limit of {MAX_JSON_DEPTH} levels")
+    return f"JSON nested {depth} levels deep, over relay's limit of {MAX_JSON_DEPTH} levels"
 
 
 def _json_problem(text: str | bytes, exc: Exception) -> str:
@@ -197,14 +197,16 @@ def _clean_value(value: Any, where: str, problems: list[str], depth: int) -> Any
             shown = escape(name)
             if why:
                 problems.append(f"header name {shown!r} {why}")
-            out[shown] = _clean_value(item, f"{where}.{shown}" if where else repr(shown),
-                                      problems, depth + 1)
+            out[shown] = _clean_value(
+                item, f"{where}.{shown}" if where else repr(shown), problems, depth + 1
+            )
         return out
     if isinstance(value, (list, tuple)):
         if depth >= MAX_HEADER_DEPTH:
             raise _Unstorable
-        return [_clean_value(item, f"{where}[{i}]", problems, depth + 1)
-                for i, item in enumerate(value)]
+        return [
+            _clean_value(item, f"{where}[{i}]", problems, depth + 1) for i, item in enumerate(value)
+        ]
     return value
 
 
@@ -259,8 +261,9 @@ def to_row(message: Incoming) -> NewInboxRow:
     stored as given, else dead with every reason in last_error."""
     problems: list[str] = []
     if message.undecodable:
-        problems.append(f"the broker's message properties could not be decoded "
-                        f"({message.undecodable})")
+        problems.append(
+            f"the broker's message properties could not be decoded ({message.undecodable})"
+        )
 
     message_id = dedup_key(message)
     if message.message_id:
@@ -285,8 +288,10 @@ def to_row(message: Incoming) -> NewInboxRow:
     type_ = column("type", message.type)
     key = column("key (x-relay-key)", message.key)
     if key is not None and len(key.encode()) > MAX_KEY_BYTES:
-        problems.append(f"key (x-relay-key) is longer than relay's limit of "
-                        f"{MAX_KEY_BYTES} bytes; the row's key column is left empty")
+        problems.append(
+            f"key (x-relay-key) is longer than relay's limit of "
+            f"{MAX_KEY_BYTES} bytes; the row's key column is left empty"
+        )
         key = None
 
     headers, header_problems = headers_json(message.headers)
@@ -319,10 +324,14 @@ def without_payload(row: NewInboxRow, message: Incoming, refused: str) -> NewInb
     """A row whose values PostgreSQL refused (a JSON number past numeric's
     range, say), dead, with the body kept as raw bytes instead of jsonb."""
     return dataclasses.replace(
-        row, payload=None, body=message.body, status="dead",
+        row,
+        payload=None,
+        body=message.body,
+        status="dead",
         last_error=clean_error(
             f"PostgreSQL refused the message: {refused}; the raw bytes are kept in inbox.body"
-            + (f"; {row.last_error}" if row.last_error else "")),
+            + (f"; {row.last_error}" if row.last_error else "")
+        ),
     )
 
 
@@ -332,13 +341,17 @@ def last_resort(row: NewInboxRow, message: Incoming, refused: str) -> NewInboxRo
     digest = hashlib.sha256(row.message_id.encode("utf-8", "surrogatepass")).hexdigest()
     return NewInboxRow(
         message_id=row.message_id if len(row.message_id) <= 200 else "id-sha256:" + digest,
-        topic=None, key=None, type=None, payload=None,
+        topic=None,
+        key=None,
+        type=None,
+        payload=None,
         body=message.body,
         headers="{}",
         status="dead",
         last_error=clean_error(
             f"PostgreSQL refused the message: {refused}; the raw body is kept in "
             "inbox.body and the properties as received in inbox.raw_properties"
-            + (f"; before that: {row.last_error}" if row.last_error else "")),
+            + (f"; before that: {row.last_error}" if row.last_error else "")
+        ),
         raw_properties=raw_properties(message),
     )

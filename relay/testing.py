@@ -38,8 +38,14 @@ def message(
 ) -> Message:
     """A Message as the dispatcher builds it from an inbox row."""
     return Message(
-        id=id or str(uuid.uuid4()), type=type, topic=topic, key=key, payload=payload,
-        headers=dict(headers or {}), attempts=attempts, consumer=consumer,
+        id=id or str(uuid.uuid4()),
+        type=type,
+        topic=topic,
+        key=key,
+        payload=payload,
+        headers=dict(headers or {}),
+        attempts=attempts,
+        consumer=consumer,
     )
 
 
@@ -51,22 +57,30 @@ def _lookup(registry: HandlerRegistry, type: str) -> Handler:
     return handler
 
 
-def handle(registry: HandlerRegistry, conn: sa.Connection, type: str, payload: Any,
-           **fields: Any) -> Message:
+def handle(
+    registry: HandlerRegistry, conn: sa.Connection, type: str, payload: Any, **fields: Any
+) -> Message:
     """Run the sync handler for `type` in a savepoint of `conn`; returns the Message."""
     handler = _lookup(registry, type)
     if is_async(handler):
-        raise TypeError(f"the handler for {type!r} is async: use handle_async with an "
-                        "AsyncConnection")
+        raise TypeError(
+            f"the handler for {type!r} is async: use handle_async with an AsyncConnection"
+        )
     msg = message(type, payload, **fields)
     with conn.begin_nested():
         handler(msg, conn)
     return msg
 
 
-async def handle_async(registry: HandlerRegistry, conn: AsyncConnection, type: str,
-                       payload: Any, *, timeout: float | None = None,
-                       **fields: Any) -> Message:
+async def handle_async(
+    registry: HandlerRegistry,
+    conn: AsyncConnection,
+    type: str,
+    payload: Any,
+    *,
+    timeout: float | None = None,
+    **fields: Any,
+) -> Message:
     """Run the handler for `type` (sync or async) in a savepoint of an
     AsyncConnection, through the daemon's own code path; returns the Message."""
     msg = message(type, payload, **fields)

@@ -54,20 +54,27 @@ def setup(service: str) -> bool:
         from opentelemetry import trace
         from opentelemetry.sdk._configuration import _OTelSDKConfigurator
     except ImportError:
-        log.warning("OTEL_TRACES_EXPORTER is set but OpenTelemetry's SDK is not installed "
-                    "(pip install 'relay[otel]'): no spans are exported")
+        log.warning(
+            "OTEL_TRACES_EXPORTER is set but OpenTelemetry's SDK is not installed "
+            "(pip install 'relay[otel]'): no spans are exported"
+        )
         return False
     attributes = {}
     if "OTEL_SERVICE_NAME" not in os.environ and "service.name" not in os.environ.get(
-            "OTEL_RESOURCE_ATTRIBUTES", ""):
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
         attributes["service.name"] = service
     try:
         configurator = _OTelSDKConfigurator()  # type: ignore[no-untyped-call]
         configurator.configure(  # type: ignore[no-untyped-call]
-            resource_attributes=attributes)
+            resource_attributes=attributes
+        )
     except Exception as exc:  # an unknown exporter name, say: tracing is not worth a crash
-        log.warning("OpenTelemetry could not be configured from OTEL_* (%s: %s): "
-                    "no spans are exported", type(exc).__name__, exc)
+        log.warning(
+            "OpenTelemetry could not be configured from OTEL_* (%s: %s): no spans are exported",
+            type(exc).__name__,
+            exc,
+        )
         return False
     _provider = trace.get_tracer_provider()
     _tracer = trace.get_tracer("relay")
@@ -142,9 +149,14 @@ def start_send(
             attributes["messaging.rabbitmq.destination.routing_key"] = row.topic
         if row.key is not None:
             attributes["relay.key"] = row.key
-        spans.append(_tracer.start_span(
-            f"send {row.topic}", context=_parent(row_headers), kind=SpanKind.PRODUCER,
-            attributes=attributes))
+        spans.append(
+            _tracer.start_span(
+                f"send {row.topic}",
+                context=_parent(row_headers),
+                kind=SpanKind.PRODUCER,
+                attributes=attributes,
+            )
+        )
     return spans
 
 
@@ -167,8 +179,13 @@ def failed(span: Any, error: str) -> None:
 
 @contextlib.contextmanager
 def process(
-    system: str, consumer: str, message_id: str, topic: str | None, type_: str | None,
-    headers: Mapping[str, Any], attempts: int,
+    system: str,
+    consumer: str,
+    message_id: str,
+    topic: str | None,
+    type_: str | None,
+    headers: Mapping[str, Any],
+    attempts: int,
 ) -> Iterator[Any]:
     """A CONSUMER span around one handler run, current while it runs."""
     from opentelemetry.trace import SpanKind
@@ -186,8 +203,11 @@ def process(
     if type_ is not None:
         attributes["relay.message.type"] = type_
     with _tracer.start_as_current_span(
-        f"process {topic or type_ or consumer}", context=_parent(headers),
-        kind=SpanKind.CONSUMER, attributes=attributes, record_exception=True,
+        f"process {topic or type_ or consumer}",
+        context=_parent(headers),
+        kind=SpanKind.CONSUMER,
+        attributes=attributes,
+        record_exception=True,
         set_status_on_exception=True,
     ) as span:
         yield span

@@ -42,8 +42,9 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     assert broker is not None
     tracing.setup("relay-outbox")
     store = Store(settings.database_url, pool_size=2)
-    publisher = make_publisher(broker, exchange=settings.exchange,
-                               on_unroutable=settings.on_unroutable, workers=WORKERS)
+    publisher = make_publisher(
+        broker, exchange=settings.exchange, on_unroutable=settings.on_unroutable, workers=WORKERS
+    )
     relay = OutboxRelay(settings, store, publisher)
     probe_lock = asyncio.Lock()
 
@@ -92,8 +93,11 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         stop=relay.stop,
         background=background,
         ready=ready,
-        unready=lambda: (f"the broker blocks publishing ({publisher.blocked}): "
-                         "a RabbitMQ resource alarm" if publisher.blocked is not None else None),
+        unready=lambda: (
+            f"the broker blocks publishing ({publisher.blocked}): a RabbitMQ resource alarm"
+            if publisher.blocked is not None
+            else None
+        ),
         metrics=relay.metrics.render,
         # Waiting out a broker's resource alarm is not a stall.
         progress=lambda: time.monotonic() if publisher.blocked else relay.last_progress,
@@ -151,30 +155,43 @@ def inbox_service(
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(registry.get(t)) for t in types)
+
     def make_dispatcher(worker: int) -> DispatcherThread:
         return DispatcherThread(
             lambda: (
                 dispatch_store := Store(settings.database_url, pool_size=2, sync=all_sync),
-                Dispatcher(settings, dispatch_store, registry, metrics,
-                           pace=pace, worker=worker, workers=DISPATCHERS),
+                Dispatcher(
+                    settings,
+                    dispatch_store,
+                    registry,
+                    metrics,
+                    pace=pace,
+                    worker=worker,
+                    workers=DISPATCHERS,
+                ),
             )
         )
 
     dispatchers = [make_dispatcher(worker) for worker in range(DISPATCHERS)]
     if not types:
-        inbox_log.warning("no handlers registered: every message will be stored as dead "
-                    "(give --handlers or install a package with relay.handlers entry points)")
+        inbox_log.warning(
+            "no handlers registered: every message will be stored as dead "
+            "(give --handlers or install a package with relay.handlers entry points)"
+        )
 
     async def main(started: Started) -> None:
-        if not await until_available(store.check_schema, receiver.stopping,
-                                     reconnect_backoff(), inbox_log):
+        if not await until_available(
+            store.check_schema, receiver.stopping, reconnect_backoff(), inbox_log
+        ):
             return
         if not await receiver.start():
             return
         started()
         inbox_log.info(
             "inbox started: queue %r, consumer %r, handlers for %s",
-            settings.queue, settings.consumer_name, ", ".join(types) or "no types",
+            settings.queue,
+            settings.consumer_name,
+            ", ".join(types) or "no types",
             extra={"action": "started"},
         )
         pace.attach()  # before any dispatcher can report a batch

@@ -45,6 +45,9 @@ def report_failure(
     if dead:
         metrics.dead.inc()
     log.warning(
-        "%s failed%s: %s", what, " (dead)" if dead else f" (retry in {delay:.1f}s)", error,
+        "%s failed%s: %s",
+        what,
+        " (dead)" if dead else f" (retry in {delay:.1f}s)",
+        error,
         extra=extra,
     )

@@ -19,13 +19,31 @@ from aiormq.abc import ChannelFrame
 Typed = tuple[str, Any]
 
 _FLAGS = {  # Basic properties in wire order, with their flag bits
-    "content_type": 1 << 15, "content_encoding": 1 << 14, "headers": 1 << 13,
-    "delivery_mode": 1 << 12, "priority": 1 << 11, "correlation_id": 1 << 10,
-    "reply_to": 1 << 9, "expiration": 1 << 8, "message_id": 1 << 7, "timestamp": 1 << 6,
-    "type": 1 << 5, "user_id": 1 << 4, "app_id": 1 << 3,
+    "content_type": 1 << 15,
+    "content_encoding": 1 << 14,
+    "headers": 1 << 13,
+    "delivery_mode": 1 << 12,
+    "priority": 1 << 11,
+    "correlation_id": 1 << 10,
+    "reply_to": 1 << 9,
+    "expiration": 1 << 8,
+    "message_id": 1 << 7,
+    "timestamp": 1 << 6,
+    "type": 1 << 5,
+    "user_id": 1 << 4,
+    "app_id": 1 << 3,
 }
-_SHORTSTRS = {"content_type", "content_encoding", "correlation_id", "reply_to",
-              "expiration", "message_id", "type", "user_id", "app_id"}
+_SHORTSTRS = {
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "type",
+    "user_id",
+    "app_id",
+}
 
 
 def _raw(value: str | bytes) -> bytes:
@@ -59,8 +77,18 @@ def field_value(typed: Typed | Encoded) -> bytes:
         return code + (b"\x01" if value else b"\x00")
     if kind == "V":
         return code
-    formats = {"b": ">b", "B": ">B", "s": ">h", "u": ">H", "I": ">i", "i": ">I",
-               "l": ">q", "f": ">f", "d": ">d", "T": ">Q"}
+    formats = {
+        "b": ">b",
+        "B": ">B",
+        "s": ">h",
+        "u": ">H",
+        "I": ">i",
+        "i": ">I",
+        "l": ">q",
+        "f": ">f",
+        "d": ">d",
+        "T": ">Q",
+    }
     if kind == "D":
         places, number = value
         return code + struct.pack(">Bi", places, number)
@@ -98,18 +126,22 @@ def frame(kind: int, channel: int, payload: bytes) -> bytes:
     return struct.pack(">BHI", kind, channel, len(payload)) + payload + b"\xce"
 
 
-async def publish(channel: Any, exchange: str, routing_key: str | bytes, body: bytes,
-                  **properties: Any) -> None:
+async def publish(
+    channel: Any, exchange: str, routing_key: str | bytes, body: bytes, **properties: Any
+) -> None:
     """Write one publish on an aiormq channel (no confirms): method, header
     and body frames, exactly these bytes."""
     method = struct.pack(">HHH", 60, 40, 0) + shortstr(exchange) + shortstr(routing_key) + b"\x00"
-    frames = [frame(1, channel.number, method),
-              frame(2, channel.number, content_header(len(body), **properties))]
+    frames = [
+        frame(1, channel.number, method),
+        frame(2, channel.number, content_header(len(body), **properties)),
+    ]
     for start in range(0, len(body), 100_000):
-        frames.append(frame(3, channel.number, body[start:start + 100_000]))
+        frames.append(frame(3, channel.number, body[start : start + 100_000]))
     done = asyncio.get_running_loop().create_future()
-    await channel.write_queue.put(ChannelFrame(payload=b"".join(frames), should_close=False,
-                                               drain_future=done))
+    await channel.write_queue.put(
+        ChannelFrame(payload=b"".join(frames), should_close=False, drain_future=done)
+    )
     await done
 
 

@@ -84,7 +84,9 @@ def template_db() -> Iterator[str]:
         conn.execute(f'CREATE DATABASE "{name}"')
     result = subprocess.run(
         [*RELAY, "schema", "apply", "--database-url", pg_url(name, "postgresql")],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     yield name
@@ -130,17 +132,21 @@ def keys_by_share(engine: sa.Engine, shares: int) -> dict[int, list[str]]:
     """Keys 'key-1' … 'key-1000' by the share of `shares` workers (outbox) or
     dispatchers (inbox) that claims them, hashed as the claims hash them."""
     by_share: dict[int, list[str]] = {}
-    for key, hashed in rows(engine, "SELECT k, hashtext(k) & 2147483647 "
-                                    "FROM (SELECT 'key-' || i AS k "
-                                    "FROM generate_series(1, 1000) i) c"):
+    for key, hashed in rows(
+        engine,
+        "SELECT k, hashtext(k) & 2147483647 "
+        "FROM (SELECT 'key-' || i AS k "
+        "FROM generate_series(1, 1000) i) c",
+    ):
         # Share w takes the hashes in [(w << 31) // shares, ((w + 1) << 31) // shares).
         share = next(w for w in range(shares) if hashed < ((w + 1) << 31) // shares)
         by_share.setdefault(share, []).append(key)
     return by_share
 
 
-def insert_outbox(engine: sa.Engine, count: int, *, topic: str, keys: int = 0,
-                  type: str | None = "Test") -> None:
+def insert_outbox(
+    engine: sa.Engine, count: int, *, topic: str, keys: int = 0, type: str | None = "Test"
+) -> None:
     """`count` rows in one transaction; keys > 0 spreads them over that many keys."""
     with engine.begin() as conn:
         conn.execute(
@@ -169,8 +175,9 @@ class Rabbit:
     async def queue(self, *patterns: str, name: str | None = None) -> aio_pika.abc.AbstractQueue:
         channel = await self.connection.channel()
         exchange = await channel.declare_exchange(self.exchange, "topic", durable=True)
-        queue = await channel.declare_queue(name or f"{self.exchange}.q{len(self.queues)}",
-                                            durable=True)
+        queue = await channel.declare_queue(
+            name or f"{self.exchange}.q{len(self.queues)}", durable=True
+        )
         self.queues.append(queue.name)
         for pattern in patterns:
             await queue.bind(exchange, pattern)
@@ -182,8 +189,9 @@ class Rabbit:
         await exchange.publish(aio_pika.Message(body, **properties), routing_key=routing_key)
         await channel.close()
 
-    async def publish_without_message_id(self, routing_key: str, body: bytes,
-                                         **properties: Any) -> None:
+    async def publish_without_message_id(
+        self, routing_key: str, body: bytes, **properties: Any
+    ) -> None:
         """Publish with no message_id property at all.
 
         aiormq fills in a random message_id when none is given, so this
@@ -204,13 +212,14 @@ class Rabbit:
             ContentBody(body),
         ]
         await underlay.write_queue.put(
-            ChannelFrame.marshall(frames=frames, channel_number=underlay.number,
-                                  drain_future=done))
+            ChannelFrame.marshall(frames=frames, channel_number=underlay.number, drain_future=done)
+        )
         await done
         await channel.close()
 
-    async def drain(self, queue: aio_pika.abc.AbstractQueue, count: int,
-                    timeout: float = 15.0) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    async def drain(
+        self, queue: aio_pika.abc.AbstractQueue, count: int, timeout: float = 15.0
+    ) -> list[aio_pika.abc.AbstractIncomingMessage]:
         """Exactly `count` messages (acked), or fail after `timeout` seconds."""
         got: list[aio_pika.abc.AbstractIncomingMessage] = []
         deadline = time.monotonic() + timeout
@@ -289,19 +298,19 @@ class RelayProcess:
 @pytest.fixture
 def relay_env(database: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
-    env.update({
-        "RELAY_DATABASE_URL": database,
-        "RELAY_BROKER_URL": AMQP_URL,
-        "RELAY_LOG_LEVEL": "INFO",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "RELAY_DATABASE_URL": database,
+            "RELAY_BROKER_URL": AMQP_URL,
+            "RELAY_LOG_LEVEL": "INFO",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
 @pytest.fixture
-def start_relay(
-    relay_env: dict[str, str], tmp_path: Path
-) -> Iterator[Callable[..., RelayProcess]]:
+def start_relay(relay_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., RelayProcess]]:
     started: list[RelayProcess] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> RelayProcess:
@@ -318,11 +327,16 @@ def start_relay(
 
 @pytest.fixture
 def run_relay(relay_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
-    def run(*args: str, env: dict[str, str] | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*RELAY, *args], env={**relay_env, **(env or {})}, capture_output=True,
-            text=True, timeout=timeout, cwd=REPO,
+            [*RELAY, *args],
+            env={**relay_env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
         )
 
     return run
@@ -352,8 +366,12 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05,
-               message: str = "condition") -> Any:
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 15.0,
+    interval: float = 0.05,
+    message: str = "condition",
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -387,10 +405,28 @@ def inbox(rabbit: Rabbit, start_relay: Callable[..., RelayProcess]) -> Callable[
     queue = f"{rabbit.exchange}.in"
     rabbit.queues.append(queue)
 
-    def start(*extra: str, handlers: str | None = HANDLERS, bind: str = "#",
-              wait: bool = True, env: dict[str, str] | None = None) -> RelayProcess:
-        args = ["inbox", "--queue", queue, "--exchange", rabbit.exchange, "--bind", bind,
-                "--poll-interval", "0.5", "--backoff-min", "0.2", "--backoff-max", "0.5"]
+    def start(
+        *extra: str,
+        handlers: str | None = HANDLERS,
+        bind: str = "#",
+        wait: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> RelayProcess:
+        args = [
+            "inbox",
+            "--queue",
+            queue,
+            "--exchange",
+            rabbit.exchange,
+            "--bind",
+            bind,
+            "--poll-interval",
+            "0.5",
+            "--backoff-min",
+            "0.2",
+            "--backoff-max",
+            "0.5",
+        ]
         if handlers:
             args += ["--handlers", handlers]
         proc = start_relay(*args, *extra, env=env)

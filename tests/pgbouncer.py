@@ -31,8 +31,13 @@ def _reachable(port: int) -> bool:
 class PgBouncer:
     """Also used by bench/pgbouncer.py; it imports nothing of the tests'."""
 
-    def __init__(self, pool_mode: str, pg_host: str = "127.0.0.1", pg_port: int = 5432,
-                 pg_user: str = "postgres") -> None:
+    def __init__(
+        self,
+        pool_mode: str,
+        pg_host: str = "127.0.0.1",
+        pg_port: int = 5432,
+        pg_user: str = "postgres",
+    ) -> None:
         self.pool_mode = pool_mode
         self.pg_host, self.pg_port = pg_host, pg_port
         self.port = _free_port()

@@ -29,8 +29,9 @@ class Proxy:
             sock.bind(("127.0.0.1", 0))
             self.port: int = sock.getsockname()[1]
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="test-proxy",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="test-proxy", daemon=True
+        )
         self._thread.start()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -65,7 +66,8 @@ class Proxy:
     async def _start(self) -> None:
         if self._server is None:
             self._server = await asyncio.start_server(
-                self._handle, "127.0.0.1", self.port, reuse_address=True)
+                self._handle, "127.0.0.1", self.port, reuse_address=True
+            )
 
     async def _stop(self) -> None:
         server, self._server = self._server, None
@@ -76,8 +78,7 @@ class Proxy:
                 writer.transport.abort()  # RST-like: no graceful goodbye
         self._writers.clear()
 
-    async def _handle(self, client_r: asyncio.StreamReader,
-                      client_w: asyncio.StreamWriter) -> None:
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
             server_r, server_w = await asyncio.open_connection(*self.target)
         except OSError:

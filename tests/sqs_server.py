@@ -66,7 +66,8 @@ def sqs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(
         [sys.executable, "-c", _MOTO_MAIN, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 30
@@ -96,8 +97,11 @@ class Sqs:
         self.endpoint = endpoint
         self.env = sqs_env(endpoint)
         self.client = boto3.session.Session().client(
-            "sqs", endpoint_url=endpoint, region_name=REGION,
-            aws_access_key_id="testing", aws_secret_access_key="testing",
+            "sqs",
+            endpoint_url=endpoint,
+            region_name=REGION,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
         )
         self.prefix = f"relay-test-{uuid.uuid4().hex[:10]}"
         self.urls: dict[str, str] = {}
@@ -114,12 +118,16 @@ class Sqs:
         self.urls[name] = url
         return url
 
-    def receive(self, name: str, *, wait: int = 1, visibility: int | None = None,
-                delete: bool = True) -> list[dict[str, Any]]:
+    def receive(
+        self, name: str, *, wait: int = 1, visibility: int | None = None, delete: bool = True
+    ) -> list[dict[str, Any]]:
         """One ReceiveMessage of up to 10 messages, deleted unless told otherwise."""
         params: dict[str, Any] = {
-            "QueueUrl": self.urls[name], "MaxNumberOfMessages": 10, "WaitTimeSeconds": wait,
-            "MessageAttributeNames": ["All"], "MessageSystemAttributeNames": ["All"],
+            "QueueUrl": self.urls[name],
+            "MaxNumberOfMessages": 10,
+            "WaitTimeSeconds": wait,
+            "MessageAttributeNames": ["All"],
+            "MessageSystemAttributeNames": ["All"],
         }
         if visibility is not None:
             params["VisibilityTimeout"] = visibility
@@ -127,8 +135,10 @@ class Sqs:
         if messages and delete:
             self.client.delete_message_batch(
                 QueueUrl=self.urls[name],
-                Entries=[{"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]}
-                         for i, m in enumerate(messages)],
+                Entries=[
+                    {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]}
+                    for i, m in enumerate(messages)
+                ],
             )
         return messages
 
@@ -136,8 +146,7 @@ class Sqs:
         """Visible plus in-flight messages."""
         attrs = self.client.get_queue_attributes(
             QueueUrl=self.urls[name],
-            AttributeNames=["ApproximateNumberOfMessages",
-                            "ApproximateNumberOfMessagesNotVisible"],
+            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
         )["Attributes"]
         return sum(int(v) for v in attrs.values())
 

@@ -129,8 +129,10 @@ def row_body(row: OutboxRow) -> bytes:
             pass  # nested past orjson's limits (254 levels written, 1,024 read)
     depth = json_depth(row.payload)
     if depth > MAX_JSON_DEPTH:
-        raise BadMessage(f"payload is JSON nested {depth} levels deep, over relay's limit "
-                         f"of {MAX_JSON_DEPTH} levels")
+        raise BadMessage(
+            f"payload is JSON nested {depth} levels deep, over relay's limit "
+            f"of {MAX_JSON_DEPTH} levels"
+        )
     return "".join(
         token if token[0] == '"' else token.replace(" ", "")
         for token in _JSON_TOKENS.findall(row.payload)
@@ -141,8 +143,9 @@ def encode_failure(exc: Exception) -> Failure:
     """A row no broker can carry, whatever the encoder raised: dead at once."""
     if isinstance(exc, BadMessage):
         return Failure(str(exc), permanent=True)
-    return Failure(f"the row cannot be encoded for the broker: {type(exc).__name__}: {exc}",
-                   permanent=True)
+    return Failure(
+        f"the row cannot be encoded for the broker: {type(exc).__name__}: {exc}", permanent=True
+    )
 
 
 def check_topic(row: OutboxRow) -> None:
@@ -157,23 +160,35 @@ def make_publisher(
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpPublisher
 
-        return AmqpPublisher(broker.nodes or broker.url, exchange=exchange,
-                             on_unroutable=on_unroutable)
+        return AmqpPublisher(
+            broker.nodes or broker.url, exchange=exchange, on_unroutable=on_unroutable
+        )
     from relay.brokers.sqs import SqsPublisher
 
     return SqsPublisher(broker, workers=workers)
 
 
 def make_consumer(
-    broker: BrokerURL, *, queue: str, exchange: str, binds: Sequence[str], prefetch: int,
-    queue_type: str | None = None, queue_args: Sequence[tuple[str, str | int]] = (),
+    broker: BrokerURL,
+    *,
+    queue: str,
+    exchange: str,
+    binds: Sequence[str],
+    prefetch: int,
+    queue_type: str | None = None,
+    queue_args: Sequence[tuple[str, str | int]] = (),
 ) -> Consumer:
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpConsumer
 
         return AmqpConsumer(
-            broker.nodes or broker.url, queue=queue, exchange=exchange, binds=binds,
-            prefetch=prefetch, queue_type=queue_type, queue_args=queue_args,
+            broker.nodes or broker.url,
+            queue=queue,
+            exchange=exchange,
+            binds=binds,
+            prefetch=prefetch,
+            queue_type=queue_type,
+            queue_args=queue_args,
         )
     from relay.brokers.sqs import SqsConsumer
 

@@ -115,7 +115,11 @@ def check_versions() -> None:
                 "%s %s is installed; relay's AMQP adapter uses its private state and was "
                 "tested with %s >=%s,<%s only: if publishing or consuming misbehaves, "
                 "install a tested version",
-                name, installed, name, ".".join(map(str, low)), ".".join(map(str, high)),
+                name,
+                installed,
+                name,
+                ".".join(map(str, low)),
+                ".".join(map(str, high)),
             )
 
 
@@ -232,9 +236,7 @@ def deliver_directly(
 # --- connection -------------------------------------------------------------
 
 
-def watch_blocking(
-    connection: AbstractConnection, on_change: Callable[[str | None], None]
-) -> None:
+def watch_blocking(connection: AbstractConnection, on_change: Callable[[str | None], None]) -> None:
     """Tell on_change the reason of each connection.blocked and None on each
     connection.unblocked, by wrapping aiormq's two (name-mangled) handlers.
     Without them (another aiormq) nothing is told, as before."""
@@ -276,9 +278,11 @@ def wrap_pamqp_decoders(
     once, for aiormq's frame reader too."""
     # mypy sees module functions, which it does not let a callable replace.
     pamqp_frame._unmarshal_header_frame = wrap_header(  # type: ignore[assignment]
-        pamqp_frame._unmarshal_header_frame)
+        pamqp_frame._unmarshal_header_frame
+    )
     pamqp_frame._unmarshal_method_frame = wrap_method(  # type: ignore[assignment]
-        pamqp_frame._unmarshal_method_frame)
+        pamqp_frame._unmarshal_method_frame
+    )
 
 
 @contextmanager
@@ -291,7 +295,8 @@ def pamqp_decoders_replaced(
     values by type code (b"F", b"T"...). Synchronous code only: nothing
     else may decode on this thread meanwhile."""
     tables: list[tuple[dict[Any, Any], Mapping[Any, Callable[[bytes], tuple[int, Any]]]]] = [
-        (pamqp_decode.METHODS, by_type), (pamqp_decode.TABLE_MAPPING, by_table_code),
+        (pamqp_decode.METHODS, by_type),
+        (pamqp_decode.TABLE_MAPPING, by_table_code),
     ]
     saved = [(table, name, table[name]) for table, new in tables for name in new]
     for table, new in tables:

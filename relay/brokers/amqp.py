@@ -134,8 +134,12 @@ class _Client:
         first = (self._node + 1) % len(self.nodes) if self._was_connected else self._node
         connection, self._node = await _connect(self.nodes, first)
         if self._was_connected and len(self.nodes) > 1:
-            log.info("RabbitMQ: now on node %d of %d (%s)",
-                     self._node + 1, len(self.nodes), redact_url(self.url))
+            log.info(
+                "RabbitMQ: now on node %d of %d (%s)",
+                self._node + 1,
+                len(self.nodes),
+                redact_url(self.url),
+            )
         self._was_connected = True
         return connection
 
@@ -178,7 +182,10 @@ class _Confirms:
     __slots__ = ("first", "left", "outcomes", "returned", "settled", "tags")
 
     def __init__(
-        self, settled: asyncio.Future[None], first: int, tags: dict[str, int],
+        self,
+        settled: asyncio.Future[None],
+        first: int,
+        tags: dict[str, int],
         returned: dict[int, _Confirms],
     ) -> None:
         self.settled = settled  # the channel's: rejected if it closes
@@ -273,12 +280,17 @@ class AmqpPublisher(_Client):
             self._blocks += 1
             self._blocked = reason or "no reason given"
             self._unblocked.clear()
-            log.warning("RabbitMQ blocked the connection (%s): publishing waits until it "
-                        "unblocks it", self._blocked, extra={"action": "broker_blocked"})
+            log.warning(
+                "RabbitMQ blocked the connection (%s): publishing waits until it unblocks it",
+                self._blocked,
+                extra={"action": "broker_blocked"},
+            )
         else:
             if self._blocked is not None:
-                log.info("RabbitMQ unblocked the connection: publishing resumes",
-                         extra={"action": "broker_unblocked"})
+                log.info(
+                    "RabbitMQ unblocked the connection: publishing resumes",
+                    extra={"action": "broker_unblocked"},
+                )
             self._blocked = None
             self._unblocked.set()
 
@@ -335,9 +347,15 @@ class AmqpPublisher(_Client):
             )
         try:
             return publish_frames(
-                channel.number, self._exchange_name, row.topic, body,
-                message_id=row.id, type=row.type, timestamp=row.created_at,
-                headers=headers, max_content_size=self._max_content_size,
+                channel.number,
+                self._exchange_name,
+                row.topic,
+                body,
+                message_id=row.id,
+                type=row.type,
+                timestamp=row.created_at,
+                headers=headers,
+                max_content_size=self._max_content_size,
             )
         except ValueError as exc:  # a topic, type or header name over 255 bytes
             raise BadMessage(str(exc)) from None
@@ -357,8 +375,12 @@ class AmqpPublisher(_Client):
         # channel's publish sequence numbers, so they are taken under the
         # channel's lock, in the order the frames are written.
         async with aiormq_internals.lock(channel):
-            batch = _Confirms(channel.create_future(), aiormq_internals.next_delivery_tag(channel),
-                              message_ids, self._returned)
+            batch = _Confirms(
+                channel.create_future(),
+                aiormq_internals.next_delivery_tag(channel),
+                message_ids,
+                self._returned,
+            )
             held: set[str] = set()  # keys whose row failed here: their later rows wait
             for index, row in enumerate(rows):
                 if row.key is not None and row.key in held:
@@ -376,7 +398,8 @@ class AmqpPublisher(_Client):
             if frames:
                 # Tags in row order, each matched to its message id for returns.
                 aiormq_internals.register_publishes(
-                    channel, batch, [rows[index].id for index in indexes])
+                    channel, batch, [rows[index].id for index in indexes]
+                )
                 try:
                     await aiormq_internals.write(channel, b"".join(frames))
                 except _CONNECTION_ERRORS as exc:
@@ -420,8 +443,9 @@ class AmqpPublisher(_Client):
                 results[index] = Failure(f"rejected by RabbitMQ (nack): {nack}")
         if broken is not None:
             if not self._size_refused(rows, results, broken):
-                log.warning("RabbitMQ connection lost mid-batch: %s",
-                            _unavailable(broken, self.url))
+                log.warning(
+                    "RabbitMQ connection lost mid-batch: %s", _unavailable(broken, self.url)
+                )
             await self.close()
         return results
 
@@ -438,12 +462,15 @@ class AmqpPublisher(_Client):
         refused, limit = int(match[1]), int(match[2])
         log.warning(
             "RabbitMQ refused a message of %d bytes: its max_message_size is %d bytes; "
-            "larger payloads now fail before they are published", refused, limit,
+            "larger payloads now fail before they are published",
+            refused,
+            limit,
         )
         self.max_message_size = min(self.max_message_size, limit)
         sizes = {
             index: len(row_body(rows[index]))
-            for index, result in enumerate(results) if result is Outcome.RELEASE
+            for index, result in enumerate(results)
+            if result is Outcome.RELEASE
         }
         too_big = [index for index, size in sizes.items() if size > limit]
         if not too_big and sizes:  # sized differently: the largest one it was
@@ -451,7 +478,8 @@ class AmqpPublisher(_Client):
         for index in too_big:
             results[index] = Failure(
                 f"payload is {sizes[index]} bytes, over RabbitMQ's message size limit "
-                f"({limit} bytes): the broker refused it", permanent=True,
+                f"({limit} bytes): the broker refused it",
+                permanent=True,
             )
         return True
 
@@ -481,8 +509,14 @@ class AmqpConsumer(_Client):
     """Consumes a durable queue bound to the exchange, with a prefetch window."""
 
     def __init__(
-        self, url: str | Sequence[str], *, queue: str, exchange: str, binds: Sequence[str],
-        prefetch: int, queue_type: str | None = None,
+        self,
+        url: str | Sequence[str],
+        *,
+        queue: str,
+        exchange: str,
+        binds: Sequence[str],
+        prefetch: int,
+        queue_type: str | None = None,
         queue_args: Sequence[tuple[str, str | int]] = (),
     ) -> None:
         self._init_nodes(url)
@@ -518,7 +552,8 @@ class AmqpConsumer(_Client):
             exchange = await _declare_exchange(channel, self.exchange)
             try:
                 queue = await channel.declare_queue(
-                    self.queue, durable=True, arguments=self.arguments or None)
+                    self.queue, durable=True, arguments=self.arguments or None
+                )
             except aiormq.exceptions.ChannelPreconditionFailed as exc:
                 if self.strict:
                     raise self._refused(exc) from None
@@ -559,7 +594,9 @@ class AmqpConsumer(_Client):
         self._connection, self._channel = connection, channel
         log.info(
             "consuming queue %r from RabbitMQ at %s (bindings: %s)",
-            self.queue, redact_url(self.url), ", ".join(self.binds) or "none",
+            self.queue,
+            redact_url(self.url),
+            ", ".join(self.binds) or "none",
         )
 
     def _refused(self, exc: BaseException) -> ConfigError:
@@ -572,16 +609,15 @@ class AmqpConsumer(_Client):
                 f"declare it with ({asked}): {text}. Delete the queue (losing its messages) "
                 "or give the arguments it has; a queue's type and arguments cannot change"
             )
-        return ConfigError(f"RabbitMQ refused to declare queue {self.queue!r} with {asked}: "
-                           f"{text}")
+        return ConfigError(f"RabbitMQ refused to declare queue {self.queue!r} with {asked}: {text}")
 
     def _on_close(
-        self, received: asyncio.Queue[DeliveredMessage | BaseException], _channel: object,
+        self,
+        received: asyncio.Queue[DeliveredMessage | BaseException],
+        _channel: object,
         exc: BaseException | None = None,
     ) -> None:
-        received.put_nowait(
-            BrokerUnavailable(f"RabbitMQ channel closed: {exc}")
-        )
+        received.put_nowait(BrokerUnavailable(f"RabbitMQ channel closed: {exc}"))
 
     async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
         while True:
@@ -660,4 +696,3 @@ class AmqpConsumer(_Client):
             # inbox will count them as duplicates.
             await self.close()
             raise _unavailable(exc, self.url) from exc
-

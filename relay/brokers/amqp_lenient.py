@@ -43,7 +43,7 @@ def _short_str(value: bytes) -> tuple[int, str]:
         length = common.Struct.byte.unpack(value[0:1])[0]
     except (struct.error, TypeError) as err:
         raise ValueError("Could not unpack short string value") from err
-    return length + 1, value[1:length + 1].decode("utf-8", "surrogateescape")
+    return length + 1, value[1 : length + 1].decode("utf-8", "surrogateescape")
 
 
 def _timestamp(value: bytes) -> tuple[int, Any]:
@@ -67,7 +67,7 @@ def _field_table(value: bytes) -> tuple[int, dict[str, Any]]:
         offset += 1
         if offset + key_length > end:
             raise ValueError("Field table key length exceeds data")
-        key = value[offset:offset + key_length].decode("utf-8", "surrogateescape")
+        key = value[offset : offset + key_length].decode("utf-8", "surrogateescape")
         offset += key_length
         consumed, result = decode.embedded_value(value[offset:])
         offset += consumed
@@ -76,10 +76,13 @@ def _field_table(value: bytes) -> tuple[int, dict[str, Any]]:
 
 
 _LENIENT_BY_TYPE: dict[str, Callable[[bytes], tuple[int, Any]]] = {
-    "shortstr": _short_str, "table": _field_table, "timestamp": _timestamp,
+    "shortstr": _short_str,
+    "table": _field_table,
+    "timestamp": _timestamp,
 }
 _LENIENT_BY_TABLE_CODE: dict[bytes, Callable[[bytes], tuple[int, Any]]] = {
-    b"F": _field_table, b"T": _timestamp,
+    b"F": _field_table,
+    b"T": _timestamp,
 }
 
 

@@ -87,10 +87,14 @@ def publish_frames(
     header = _header_head(BASIC_CLASS, 0, len(body), flags) + b"".join(props)
 
     out = [
-        _frame_head(FRAME_METHOD, channel, len(method)), method, FRAME_END,
-        _frame_head(FRAME_HEADER, channel, len(header)), header, FRAME_END,
+        _frame_head(FRAME_METHOD, channel, len(method)),
+        method,
+        FRAME_END,
+        _frame_head(FRAME_HEADER, channel, len(header)),
+        header,
+        FRAME_END,
     ]
     for start in range(0, len(body), max_content_size):
-        chunk = body[start:start + max_content_size]
+        chunk = body[start : start + max_content_size]
         out += [_frame_head(FRAME_BODY, channel, len(chunk)), chunk, FRAME_END]
     return b"".join(out)

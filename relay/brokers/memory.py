@@ -123,9 +123,16 @@ class MemoryBroker:
         self.queues.setdefault(queue, deque())
         self._bindings += [(pattern, queue) for pattern in patterns]
 
-    def send(self, topic: str, body: bytes, *, message_id: str | None = None,
-             type: str | None = None, key: str | None = None,
-             headers: dict[str, Any] | None = None) -> int:
+    def send(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> int:
         """Publish a message as any other producer would (no confirm awaited);
         how many queues took it."""
         return self._route(Message(topic, body, message_id, type, key, dict(headers or {})))
@@ -140,8 +147,9 @@ class MemoryBroker:
     def publisher(self, *, on_unroutable: str = "publish") -> MemoryPublisher:
         return MemoryPublisher(self, on_unroutable=on_unroutable)
 
-    def consumer(self, queue: str, *, binds: Sequence[str] = (),
-                 prefetch: int = 100) -> MemoryConsumer:
+    def consumer(
+        self, queue: str, *, binds: Sequence[str] = (), prefetch: int = 100
+    ) -> MemoryConsumer:
         return MemoryConsumer(self, queue=queue, binds=binds, prefetch=prefetch)
 
     # -- faults ---------------------------------------------------------
@@ -308,8 +316,9 @@ class MemoryPublisher:
 class MemoryConsumer:
     """`Consumer` on a MemoryBroker: one queue, declared and bound on connect."""
 
-    def __init__(self, broker: MemoryBroker, *, queue: str, binds: Sequence[str] = (),
-                 prefetch: int = 100) -> None:
+    def __init__(
+        self, broker: MemoryBroker, *, queue: str, binds: Sequence[str] = (), prefetch: int = 100
+    ) -> None:
         self.broker = broker
         self.queue = queue
         self.binds = tuple(binds)
@@ -394,7 +403,8 @@ class MemoryConsumer:
         if not self.connected:
             self._open = False
             raise BrokerUnavailable(
-                f"memory broker: connection of queue {self.queue!r} lost before the ack")
+                f"memory broker: connection of queue {self.queue!r} lost before the ack"
+            )
         for incoming in batch:
             assert isinstance(incoming.ack_token, _Delivery)
             self._unacked.pop(incoming.ack_token.tag, None)

@@ -77,19 +77,32 @@ _QUEUE_NAME = re.compile(r"^(?=.{1,80}$)[A-Za-z0-9_-]+(\.fifo)?$")
 
 _TRANSPORT_ERRORS = (bce.ConnectionError, bce.HTTPClientError)
 _CREDENTIAL_ERRORS = (
-    bce.NoCredentialsError, bce.PartialCredentialsError, bce.CredentialRetrievalError,
+    bce.NoCredentialsError,
+    bce.PartialCredentialsError,
+    bce.CredentialRetrievalError,
 )
 _MISSING_QUEUE = {"QueueDoesNotExist", "NonExistentQueue"}
 _AUTH_CODES = {
-    "InvalidClientTokenId", "SignatureDoesNotMatch", "UnrecognizedClientException",
-    "ExpiredToken", "ExpiredTokenException", "InvalidAccessKeyId", "IncompleteSignature",
-    "MissingAuthenticationToken", "InvalidSecurity", "AuthFailure",
+    "InvalidClientTokenId",
+    "SignatureDoesNotMatch",
+    "UnrecognizedClientException",
+    "ExpiredToken",
+    "ExpiredTokenException",
+    "InvalidAccessKeyId",
+    "IncompleteSignature",
+    "MissingAuthenticationToken",
+    "InvalidSecurity",
+    "AuthFailure",
 }
 _ACCESS_DENIED = {"AccessDenied", "AccessDeniedException"}
 # Call-level errors caused by the content of one of the entries.
 _BAD_CONTENT = {
-    "InvalidMessageContents", "InvalidParameterValue", "BatchRequestTooLong",
-    "MessageTooLong", "InvalidAttributeValue", "InvalidAttributeName",
+    "InvalidMessageContents",
+    "InvalidParameterValue",
+    "BatchRequestTooLong",
+    "MessageTooLong",
+    "InvalidAttributeValue",
+    "InvalidAttributeName",
 }
 
 
@@ -242,7 +255,9 @@ def build_entry(row: OutboxRow, index: int) -> _Entry:
         for n, a in attributes.items()
     )
     params: dict[str, Any] = {
-        "Id": str(index), "MessageBody": body, "MessageAttributes": attributes,
+        "Id": str(index),
+        "MessageBody": body,
+        "MessageAttributes": attributes,
     }
     order_key = row.key or None
     if row.topic.endswith(".fifo"):
@@ -362,13 +377,18 @@ class SqsPublisher(_Adapter):
         url = client.get_queue_url(QueueName=topic)["QueueUrl"]
         try:
             attrs = client.get_queue_attributes(
-                QueueUrl=url, AttributeNames=["MaximumMessageSize"])["Attributes"]
+                QueueUrl=url, AttributeNames=["MaximumMessageSize"]
+            )["Attributes"]
             max_size = int(attrs.get("MaximumMessageSize", DEFAULT_MAX_MESSAGE))
         except bce.ClientError as exc:
             if _code(exc) not in _ACCESS_DENIED:
                 raise
-            log.warning("cannot read MaximumMessageSize of SQS queue %r (%s); assuming %d bytes",
-                        topic, _code(exc), DEFAULT_MAX_MESSAGE)
+            log.warning(
+                "cannot read MaximumMessageSize of SQS queue %r (%s); assuming %d bytes",
+                topic,
+                _code(exc),
+                DEFAULT_MAX_MESSAGE,
+            )
             max_size = DEFAULT_MAX_MESSAGE
         return _Queue(url, max_size)
 
@@ -433,8 +453,7 @@ class SqsPublisher(_Adapter):
                     )
                 else:
                     sendable.append(entry)
-            work += [self._send_lane(topic, queue, lane, results)
-                     for lane in lanes(sendable)]
+            work += [self._send_lane(topic, queue, lane, results) for lane in lanes(sendable)]
         await asyncio.gather(*work)
         return results
 
@@ -463,13 +482,12 @@ class SqsPublisher(_Adapter):
                 if result is not None and entry.order_key is not None:
                     held.add(entry.order_key)
 
-    async def _send(
-        self, topic: str, queue: _Queue, call: list[_Entry]
-    ) -> list[PublishResult]:
+    async def _send(self, topic: str, queue: _Queue, call: list[_Entry]) -> list[PublishResult]:
         try:
             response = await self._call(
                 self._client.send_message_batch,
-                QueueUrl=queue.url, Entries=[e.params for e in call],
+                QueueUrl=queue.url,
+                Entries=[e.params for e in call],
             )
         except Exception as exc:
             if _is_unavailable(exc):
@@ -492,7 +510,8 @@ class SqsPublisher(_Adapter):
         sent = {s["Id"] for s in response.get("Successful", [])}
         failed = {f["Id"]: entry_failure(f) for f in response.get("Failed", [])}
         return [
-            None if e.params["Id"] in sent
+            None
+            if e.params["Id"] in sent
             else failed.get(e.params["Id"], Failure("SQS did not report on this message"))
             for e in call
         ]
@@ -540,12 +559,14 @@ def to_incoming(message: dict[str, Any], queue: str) -> Incoming:
 def _release(client: Any, url: str, handles: Sequence[str]) -> None:
     """Make messages visible again at once (best effort): another receiver takes them."""
     for start in range(0, len(handles), BATCH_ENTRIES):
-        part = handles[start:start + BATCH_ENTRIES]
+        part = handles[start : start + BATCH_ENTRIES]
         try:
             client.change_message_visibility_batch(
                 QueueUrl=url,
-                Entries=[{"Id": str(i), "ReceiptHandle": h, "VisibilityTimeout": 0}
-                         for i, h in enumerate(part)],
+                Entries=[
+                    {"Id": str(i), "ReceiptHandle": h, "VisibilityTimeout": 0}
+                    for i, h in enumerate(part)
+                ],
             )
         except Exception as exc:  # they come back after the visibility timeout anyway
             log.debug("could not release %d SQS messages: %r", len(part), exc)
@@ -588,9 +609,11 @@ class SqsConsumer(_Adapter):
         client = await self._ensure_client()
         try:
             url = (await self._call(client.get_queue_url, QueueName=self.queue))["QueueUrl"]
-            attrs = (await self._call(
-                client.get_queue_attributes, QueueUrl=url, AttributeNames=["VisibilityTimeout"]
-            ))["Attributes"]
+            attrs = (
+                await self._call(
+                    client.get_queue_attributes, QueueUrl=url, AttributeNames=["VisibilityTimeout"]
+                )
+            )["Attributes"]
         except Exception as exc:
             if isinstance(exc, bce.ClientError) and _code(exc) in _MISSING_QUEUE:
                 raise BrokerUnavailable(
@@ -605,12 +628,15 @@ class SqsConsumer(_Adapter):
         self._failure = None
         self._room.set()
         self._tasks = [
-            asyncio.create_task(self._receive(), name=f"sqs-receive-{n}")
-            for n in range(RECEIVERS)
+            asyncio.create_task(self._receive(), name=f"sqs-receive-{n}") for n in range(RECEIVERS)
         ]
         self._tasks.append(asyncio.create_task(self._keep_invisible(), name="sqs-visibility"))
-        log.info("consuming SQS queue %r at %s (visibility timeout %ds)",
-                 self.queue, _where(client), self._visibility)
+        log.info(
+            "consuming SQS queue %r at %s (visibility timeout %ds)",
+            self.queue,
+            _where(client),
+            self._visibility,
+        )
 
     async def close(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -625,7 +651,8 @@ class SqsConsumer(_Adapter):
             # Received, not stored: visible again now, not after the timeout.
             try:
                 await asyncio.wait_for(
-                    self._call(_release, self._client, url, handles), RELEASE_TIMEOUT)
+                    self._call(_release, self._client, url, handles), RELEASE_TIMEOUT
+                )
             except (TimeoutError, RuntimeError):
                 pass
         self._shutdown_executor()
@@ -669,8 +696,9 @@ class SqsConsumer(_Adapter):
 
         def deliver(response: Any, exc: BaseException | None) -> None:
             if future.done():  # cancelled while the answer was on its way
-                threading.Thread(target=_release_received, args=(client, url, response),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=_release_received, args=(client, url, response), daemon=True
+                ).start()
             elif exc is not None:
                 future.set_exception(exc)
             else:
@@ -680,8 +708,11 @@ class SqsConsumer(_Adapter):
             response, error = None, None
             try:
                 response = client.receive_message(
-                    QueueUrl=url, MaxNumberOfMessages=BATCH_ENTRIES, WaitTimeSeconds=WAIT_SECONDS,
-                    MessageAttributeNames=["All"], MessageSystemAttributeNames=["All"],
+                    QueueUrl=url,
+                    MaxNumberOfMessages=BATCH_ENTRIES,
+                    WaitTimeSeconds=WAIT_SECONDS,
+                    MessageAttributeNames=["All"],
+                    MessageSystemAttributeNames=["All"],
                 )
             except BaseException as exc:  # handed to the event loop
                 error = exc
@@ -742,12 +773,18 @@ class SqsConsumer(_Adapter):
             self._room.set()
         if url is None:
             raise BrokerUnavailable(
-                f"SQS consumer of {self.queue!r} closed before the batch was deleted")
-        parts = [handles[i:i + BATCH_ENTRIES] for i in range(0, len(handles), BATCH_ENTRIES)]
+                f"SQS consumer of {self.queue!r} closed before the batch was deleted"
+            )
+        parts = [handles[i : i + BATCH_ENTRIES] for i in range(0, len(handles), BATCH_ENTRIES)]
         results = await asyncio.gather(
-            *(self._call(self._client.delete_message_batch, QueueUrl=url,
-                         Entries=[{"Id": str(i), "ReceiptHandle": h} for i, h in enumerate(p)])
-              for p in parts),
+            *(
+                self._call(
+                    self._client.delete_message_batch,
+                    QueueUrl=url,
+                    Entries=[{"Id": str(i), "ReceiptHandle": h} for i, h in enumerate(p)],
+                )
+                for p in parts
+            ),
             return_exceptions=True,
         )
         broken = None
@@ -761,8 +798,12 @@ class SqsConsumer(_Adapter):
                 # Typically the visibility timeout ran out and the message
                 # went to another receiver: it is stored, so its next copy
                 # counts as a duplicate.
-                log.warning("SQS did not delete a stored message from %r: %s: %s",
-                            self.queue, failed.get("Code"), failed.get("Message"))
+                log.warning(
+                    "SQS did not delete a stored message from %r: %s: %s",
+                    self.queue,
+                    failed.get("Code"),
+                    failed.get("Message"),
+                )
         if broken is not None:
             # The rows are committed; SQS delivers these again after the
             # visibility timeout and the inbox counts them as duplicates.
@@ -779,24 +820,36 @@ class SqsConsumer(_Adapter):
             due = [h for h, since in self._held.items() if now - since >= half]
             url = self._url
             for start in range(0, len(due), BATCH_ENTRIES):
-                part = due[start:start + BATCH_ENTRIES]
+                part = due[start : start + BATCH_ENTRIES]
                 try:
                     response = await self._call(
-                        self._client.change_message_visibility_batch, QueueUrl=url,
-                        Entries=[{"Id": str(i), "ReceiptHandle": h,
-                                  "VisibilityTimeout": self._visibility}
-                                 for i, h in enumerate(part)],
+                        self._client.change_message_visibility_batch,
+                        QueueUrl=url,
+                        Entries=[
+                            {
+                                "Id": str(i),
+                                "ReceiptHandle": h,
+                                "VisibilityTimeout": self._visibility,
+                            }
+                            for i, h in enumerate(part)
+                        ],
                     )
                 except Exception as exc:
                     if not (isinstance(exc, bce.ClientError) or _is_unavailable(exc)):
                         raise
-                    log.warning("cannot extend the visibility of %d SQS messages: %s",
-                                len(part), _describe(exc))
+                    log.warning(
+                        "cannot extend the visibility of %d SQS messages: %s",
+                        len(part),
+                        _describe(exc),
+                    )
                     continue
                 failed = {f["Id"] for f in response.get("Failed", [])}
                 for i, handle in enumerate(part):
                     if str(i) not in failed and handle in self._held:
                         self._held[handle] = now
                 if failed:
-                    log.warning("SQS refused to extend the visibility of %d messages of %r",
-                                len(failed), self.queue)
+                    log.warning(
+                        "SQS refused to extend the visibility of %d messages of %r",
+                        len(failed),
+                        self.queue,
+                    )

@@ -65,7 +65,8 @@ _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 SECURITY_HEADERS = {
     "content-security-policy": (
         "default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
-        "frame-ancestors 'none'; base-uri 'none'"),
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
     "x-content-type-options": "nosniff",
     "x-frame-options": "DENY",
     "referrer-policy": "same-origin",
@@ -88,8 +89,10 @@ class ConsoleSettings:
 
     def __repr__(self) -> str:
         token = "set" if self.token else "unset"
-        return (f"ConsoleSettings(database_url={redact_url(self.database_url)!r}, "
-                f"host={self.host!r}, port={self.port}, token={token})")
+        return (
+            f"ConsoleSettings(database_url={redact_url(self.database_url)!r}, "
+            f"host={self.host!r}, port={self.port}, token={token})"
+        )
 
 
 class Guard:
@@ -100,8 +103,9 @@ class Guard:
 
     def _mac(self, purpose: str) -> str:
         assert self.token is not None
-        return hmac.new(self.token.encode(), f"relay-console:{purpose}".encode(),
-                        hashlib.sha256).hexdigest()
+        return hmac.new(
+            self.token.encode(), f"relay-console:{purpose}".encode(), hashlib.sha256
+        ).hexdigest()
 
     @property
     def writable(self) -> bool:
@@ -114,8 +118,7 @@ class Guard:
         return self._mac("csrf") if self.token else ""
 
     def token_matches(self, given: str) -> bool:
-        return self.token is not None and hmac.compare_digest(
-            given.encode(), self.token.encode())
+        return self.token is not None and hmac.compare_digest(given.encode(), self.token.encode())
 
     def bearer(self, request: Request) -> bool:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -126,13 +129,15 @@ class Guard:
             return False
         cookie = request.cookies.get(COOKIE, "")
         return self.bearer(request) or hmac.compare_digest(
-            cookie.encode(), self.session_value().encode())
+            cookie.encode(), self.session_value().encode()
+        )
 
     def refusal(self, request: Request, form: FormData) -> str | None:
         """Why this POST may not change anything, or None when it may."""
         if not self.writable:
-            return ("The console is read only: start it with RELAY_CONSOLE_TOKEN set "
-                    "to allow changes.")
+            return (
+                "The console is read only: start it with RELAY_CONSOLE_TOKEN set to allow changes."
+            )
         if self.bearer(request):
             return None
         if not self.signed_in(request):
@@ -141,7 +146,8 @@ class Guard:
             return "Refused: the request came from another site."
         given = form.get("csrf")
         if not isinstance(given, str) or not hmac.compare_digest(
-                given.encode(), self.csrf().encode()):
+            given.encode(), self.csrf().encode()
+        ):
             return "Refused: the form's CSRF field is missing or wrong; reload the page."
         return None
 
@@ -180,7 +186,8 @@ def _environment() -> jinja2.Environment:
         loader=jinja2.FileSystemLoader(HERE / "templates"),
         autoescape=True,  # every template: payloads and errors are text, never HTML
         undefined=jinja2.StrictUndefined,
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
     )
     env.filters["age"] = age
     env.filters["pretty"] = pretty_json
@@ -188,8 +195,17 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-_FILTER_FIELDS = ("table", "consumer", "topic", "type", "key", "error", "group",
-                  "older_than", "newer_than")
+_FILTER_FIELDS = (
+    "table",
+    "consumer",
+    "topic",
+    "type",
+    "key",
+    "error",
+    "group",
+    "older_than",
+    "newer_than",
+)
 
 
 class Console:
@@ -203,8 +219,9 @@ class Console:
 
     # -- rendering ---------------------------------------------------------------
 
-    def render(self, request: Request, name: str, status: int = 200,
-               **context: Any) -> HTMLResponse:
+    def render(
+        self, request: Request, name: str, status: int = 200, **context: Any
+    ) -> HTMLResponse:
         context.update(
             request_path=request.url.path,
             here=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
@@ -229,11 +246,13 @@ class Console:
         try:
             await self.ensure_schema()
         except SchemaError as exc:  # the console is up: say what is missing
-            return self.render(request, "overview.html", title="Overview", scopes=[],
-                               schema_problem=str(exc))
+            return self.render(
+                request, "overview.html", title="Overview", scopes=[], schema_problem=str(exc)
+            )
         scopes = await overview_module.overview(self.store)
-        return self.render(request, "overview.html", title="Overview", scopes=scopes,
-                           schema_problem=None)
+        return self.render(
+            request, "overview.html", title="Overview", scopes=scopes, schema_problem=None
+        )
 
     async def dead_list(self, request: Request) -> Response:
         await self.ensure_schema()
@@ -256,51 +275,83 @@ class Console:
             # both at once, on connections of their own.
             groups, counts = await asyncio.gather(
                 self.dead.groups(where, limit=20, newest=GROUP_NEWEST),
-                self.dead.count(where, cap=COUNT_CAP + 1))
+                self.dead.count(where, cap=COUNT_CAP + 1),
+            )
         shown = {k: v for k, v in values.items() if v is not None}
         next_url = None
         if page.next_cursor:
             next_url = "/dead?" + urllib.parse.urlencode({**shown, "after": page.next_cursor})
-        return self.render(request, "dead.html", title="Dead messages", page=page,
-                           groups=groups, counts=counts, filters=shown, next_url=next_url,
-                           count_cap=COUNT_CAP, group_newest=GROUP_NEWEST,
-                           first_url="/dead?" + urllib.parse.urlencode(shown) if after else None,
-                           group_url=lambda g: "/dead?" + urllib.parse.urlencode(
-                               {**shown, "table": g.table, "group": g.error}),
-                           message_url=_message_url)
+        return self.render(
+            request,
+            "dead.html",
+            title="Dead messages",
+            page=page,
+            groups=groups,
+            counts=counts,
+            filters=shown,
+            next_url=next_url,
+            count_cap=COUNT_CAP,
+            group_newest=GROUP_NEWEST,
+            first_url="/dead?" + urllib.parse.urlencode(shown) if after else None,
+            group_url=lambda g: (
+                "/dead?" + urllib.parse.urlencode({**shown, "table": g.table, "group": g.error})
+            ),
+            message_url=_message_url,
+        )
 
     async def message(self, request: Request) -> Response:
         await self.ensure_schema()
         q = request.query_params
         try:
-            row = await self.dead.get(q.get("id", ""), table=q.get("table") or None,
-                                      consumer=q.get("consumer") or None)
+            row = await self.dead.get(
+                q.get("id", ""), table=q.get("table") or None, consumer=q.get("consumer") or None
+            )
         except NotFound as exc:
-            return self.problem(request, 404, "Not found",
-                                f"{exc}: it may have been retried or discarded.")
+            return self.problem(
+                request, 404, "Not found", f"{exc}: it may have been retried or discarded."
+            )
         except DeadError as exc:
             return self.problem(request, 400, "Which message?", str(exc))
         edit = request.url.path == "/edit"
-        return self.render(request, "edit.html" if edit else "message.html",
-                           title="Edit and retry" if edit else "Dead message", row=row,
-                           payload_text=(pretty_json(row.payload)
-                                         if row.payload_text is not None else ""))
+        return self.render(
+            request,
+            "edit.html" if edit else "message.html",
+            title="Edit and retry" if edit else "Dead message",
+            row=row,
+            payload_text=(pretty_json(row.payload) if row.payload_text is not None else ""),
+        )
 
     async def keys(self, request: Request) -> Response:
         await self.ensure_schema()
         held = await self.store.dead_keys(200)
-        return self.render(request, "keys.html", title="Blocked keys", held=held,
-                           dead_url=lambda table, consumer, key: "/dead?" + urllib.parse.urlencode(
-                               {k: v for k, v in (("table", table), ("consumer", consumer),
-                                                  ("key", key)) if v is not None}))
+        return self.render(
+            request,
+            "keys.html",
+            title="Blocked keys",
+            held=held,
+            dead_url=lambda table, consumer, key: (
+                "/dead?"
+                + urllib.parse.urlencode(
+                    {
+                        k: v
+                        for k, v in (("table", table), ("consumer", consumer), ("key", key))
+                        if v is not None
+                    }
+                )
+            ),
+        )
 
     # -- sign in -------------------------------------------------------------------
 
     async def login(self, request: Request) -> Response:
         form = await request.form()
         if not self.guard.writable:
-            return self.problem(request, 403, "Read only", "The console is read only: "
-                                "start it with RELAY_CONSOLE_TOKEN set to allow changes.")
+            return self.problem(
+                request,
+                403,
+                "Read only",
+                "The console is read only: start it with RELAY_CONSOLE_TOKEN set to allow changes.",
+            )
         if not same_origin(request):
             return self.problem(request, 403, "Refused", "The request came from another site.")
         given = form.get("token")
@@ -308,11 +359,15 @@ class Console:
             log.warning("console: a sign-in with a wrong token")
             return self.problem(request, 403, "Wrong token", "That is not the console token.")
         back = form.get("next")
-        target = back if isinstance(back, str) and back.startswith("/") and not back.startswith(
-            "//") else "/"
+        target = (
+            back
+            if isinstance(back, str) and back.startswith("/") and not back.startswith("//")
+            else "/"
+        )
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(COOKIE, self.guard.session_value(), httponly=True,
-                            samesite="strict", path="/")
+        response.set_cookie(
+            COOKIE, self.guard.session_value(), httponly=True, samesite="strict", path="/"
+        )
         return response
 
     async def logout(self, request: Request) -> Response:
@@ -337,8 +392,12 @@ class Console:
             if what in ("retry-all", "discard-all"):
                 return await self._many(request, what, fields)
         except NotFound as exc:
-            return self.problem(request, 404, "Not found",
-                                f"{exc}: it may have been retried or discarded meanwhile.")
+            return self.problem(
+                request,
+                404,
+                "Not found",
+                f"{exc}: it may have been retried or discarded meanwhile.",
+            )
         except DeadError as exc:
             return self.problem(request, 400, "Not done", str(exc))
         return self.problem(request, 400, "Unknown action", f"Unknown action {what!r}.")
@@ -348,43 +407,72 @@ class Console:
         consumer = f.get("consumer") or None
         row = await self.dead.get(row_id, table=table, consumer=consumer)
         if f.get("confirm") != "yes":
-            return self.render(request, "confirm.html", title="Confirm", action=what,
-                               row=row, fields=f, count=None, filters={})
+            return self.render(
+                request,
+                "confirm.html",
+                title="Confirm",
+                action=what,
+                row=row,
+                fields=f,
+                count=None,
+                filters={},
+            )
         s = row.summary
         name = f"{s.table} row {s.id}" + (f" of consumer {s.consumer}" if s.consumer else "")
         if what == "retry":
             await self.dead.retry(DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id])
             done = f"Retried {name}: it is pending again, with attempts reset."
         elif what == "discard":
-            await self.dead.discard(DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id],
-                                    reason=f.get("reason") or "discarded in the console")
+            await self.dead.discard(
+                DeadFilter(table=s.table, consumer=s.consumer),
+                ids=[s.id],
+                reason=f.get("reason") or "discarded in the console",
+            )
             done = f"Discarded {name}; a copy is kept in relay_discarded."
         else:
             payload = f.get("payload")
             headers = f.get("headers")
             if s.table == "inbox" and row.payload_text is None and not payload:
                 payload = None  # a non-JSON body left as it was
-            await self.dead.edit(s.id, table=s.table, consumer=s.consumer,
-                                 payload=payload or None, headers=headers or None)
+            await self.dead.edit(
+                s.id,
+                table=s.table,
+                consumer=s.consumer,
+                payload=payload or None,
+                headers=headers or None,
+            )
             done = f"Edited and retried {name}: it is pending again, with attempts reset."
         log.info("console: %s", done)
-        return self.render(request, "done.html", title="Done", text=done,
-                           back_url="/dead?" + urllib.parse.urlencode({"table": s.table}))
+        return self.render(
+            request,
+            "done.html",
+            title="Done",
+            text=done,
+            back_url="/dead?" + urllib.parse.urlencode({"table": s.table}),
+        )
 
     async def _many(self, request: Request, what: str, f: dict[str, str]) -> Response:
         values = {k: (f.get(k) or None) for k in _FILTER_FIELDS}
         where = _filter(values)
         counts = await self.dead.count(where)  # exact: the person confirms this number
         if f.get("confirm") != "yes":
-            return self.render(request, "confirm.html", title="Confirm", action=what,
-                               row=None, fields=f, count=sum(counts.values()),
-                               filters={k: v for k, v in values.items() if v is not None})
+            return self.render(
+                request,
+                "confirm.html",
+                title="Confirm",
+                action=what,
+                row=None,
+                fields=f,
+                count=sum(counts.values()),
+                filters={k: v for k, v in values.items() if v is not None},
+            )
         if what == "retry-all":
             done_counts = await self.dead.retry(where)
             verb = "Retried"
         else:
             done_counts = await self.dead.discard(
-                where, reason=f.get("reason") or "discarded in the console")
+                where, reason=f.get("reason") or "discarded in the console"
+            )
             verb = "Discarded"
         parts = [f"{n} {t} row{'s' if n != 1 else ''}" for t, n in done_counts.items()]
         done = f"{verb} {' and '.join(parts)}."
@@ -407,9 +495,12 @@ class Console:
             return self.problem(request, 503, "Schema not ready", str(exc))
 
         async def unavailable(request: Request, exc: Exception) -> Response:
-            return self.problem(request, 503, "Database unavailable",
-                                "The console cannot reach PostgreSQL right now; "
-                                "reload in a moment.")
+            return self.problem(
+                request,
+                503,
+                "Database unavailable",
+                "The console cannot reach PostgreSQL right now; reload in a moment.",
+            )
 
         app = Starlette(
             routes=[
@@ -438,9 +529,16 @@ def _filter(values: dict[str, str | None]) -> DeadFilter:
             ages[name] = parse_duration(text) if text else None
         except ConfigError as exc:
             raise DeadError(f"{name.replace('_', ' ')}: {exc}") from None
-    return DeadFilter(table=values["table"], consumer=values["consumer"],
-                      topic=values["topic"], type=values["type"], key=values["key"],
-                      error=values["error"], group=values["group"], **ages)
+    return DeadFilter(
+        table=values["table"],
+        consumer=values["consumer"],
+        topic=values["topic"],
+        type=values["type"],
+        key=values["key"],
+        error=values["error"],
+        group=values["group"],
+        **ages,
+    )
 
 
 def _message_url(row: Any) -> str:
@@ -462,9 +560,16 @@ async def serve(settings: ConsoleSettings) -> int:
     mode = "changes need the console token" if settings.token else "read only"
     if settings.host not in _LOOPBACK:
         log.warning("console: serving on %s, not only on this machine", settings.host)
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_config=None, log_level="warning", access_log=False,
-                            lifespan="on")
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
+
     class Server(uvicorn.Server):
         # uvicorn re-raises SIGTERM after its shutdown, which would end the
         # process by the signal; relay's commands exit 0 after a clean stop.
@@ -480,7 +585,12 @@ async def serve(settings: ConsoleSettings) -> int:
                     loop.remove_signal_handler(signum)
 
     server = Server(config)
-    log.info("console serving on http://%s:%d (%s)", settings.host, settings.port, mode,
-             extra={"action": "console started"})
+    log.info(
+        "console serving on http://%s:%d (%s)",
+        settings.host,
+        settings.port,
+        mode,
+        extra={"action": "console started"},
+    )
     await server.serve()
     return 0 if server.started else 1

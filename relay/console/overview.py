@@ -59,7 +59,8 @@ async def overview(store: Store) -> list[Scope]:
 
     async def outbox_counts(conn: AsyncConnection) -> None:
         outbox.pending, outbox.dead, outbox.oldest_pending_seconds = (
-            await conn.execute(_OUTBOX)).one()
+            await conn.execute(_OUTBOX)
+        ).one()
 
     async def outbox_rate(conn: AsyncConnection) -> None:
         for ago, count in await conn.execute(_OUTBOX_RATE):
@@ -72,7 +73,8 @@ async def overview(store: Store) -> list[Scope]:
         for s in list(consumers.values()):
             if s.pending:
                 s.oldest_pending_seconds = await conn.scalar(
-                    _INBOX_OLDEST, {"consumer": s.consumer})
+                    _INBOX_OLDEST, {"consumer": s.consumer}
+                )
 
     async def inbox_rate(conn: AsyncConnection) -> None:
         rates = [tuple(r) for r in await conn.execute(_INBOX_RATE)]
@@ -83,8 +85,7 @@ async def overview(store: Store) -> list[Scope]:
         async with store.connection() as conn:
             await part(conn)
 
-    await asyncio.gather(*(run(p) for p in (outbox_counts, outbox_rate, inbox_counts,
-                                               inbox_rate)))
+    await asyncio.gather(*(run(p) for p in (outbox_counts, outbox_rate, inbox_counts, inbox_rate)))
     return [outbox, *(consumers[c] for c in sorted(consumers))]
 
 
@@ -100,7 +101,14 @@ def chart(scope: Scope, width: int = 600, height: int = 120) -> dict[str, Any]:
     bars = []
     for i, count in enumerate(scope.per_minute):
         h = round(count / top * (height - 4), 1)
-        bars.append({"x": round(i * bar, 1), "y": round(height - h, 1),
-                     "w": round(bar * 0.8, 1), "h": h, "count": count,
-                     "ago": MINUTES - i})
+        bars.append(
+            {
+                "x": round(i * bar, 1),
+                "y": round(height - h, 1),
+                "w": round(bar * 0.8, 1),
+                "h": h,
+                "count": count,
+                "ago": MINUTES - i,
+            }
+        )
     return {"width": width, "height": height, "bars": bars, "top": max(scope.per_minute)}

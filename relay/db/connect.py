@@ -74,8 +74,12 @@ async def connect_detecting(
 
 async def _connect(conninfo: str, **settings: Any) -> psycopg.AsyncConnection[Any]:
     return await psycopg.AsyncConnection.connect(
-        conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
-        application_name=APPLICATION_NAME, **settings)
+        conninfo,
+        autocommit=True,
+        connect_timeout=CONNECT_TIMEOUT,
+        application_name=APPLICATION_NAME,
+        **settings,
+    )
 
 
 def refused_options(exc: BaseException) -> bool:
@@ -92,8 +96,10 @@ def pooled_pid(client_pid: int, server_pid: int | None) -> bool:
 @functools.cache
 def noticed_pooler() -> None:
     """Say once per process that a pooler was found, and what it changes."""
-    log.info("the database connection goes through a pooler (PgBouncer?): relay keeps "
-             "no prepared statements or session settings on it")
+    log.info(
+        "the database connection goes through a pooler (PgBouncer?): relay keeps "
+        "no prepared statements or session settings on it"
+    )
 
 
 async def behind_pooler(conn: psycopg.AsyncConnection[Any]) -> bool:
@@ -126,8 +132,10 @@ async def create_database_if_missing(database_url: str) -> str | None:
         return None
     try:
         async with await psycopg.AsyncConnection.connect(
-                make_conninfo(conninfo, dbname="postgres"), autocommit=True,
-                connect_timeout=CONNECT_TIMEOUT) as admin:
+            make_conninfo(conninfo, dbname="postgres"),
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT,
+        ) as admin:
             await admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name))))
     except psycopg.Error:
         return None  # no right to, or made meanwhile: the connect that follows says

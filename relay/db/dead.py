@@ -62,8 +62,9 @@ def _like_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-async def page(conn: AsyncConnection, table: str, where: Any, *, limit: int,
-               after_seq: int | None = None) -> Sequence[Any]:
+async def page(
+    conn: AsyncConnection, table: str, where: Any, *, limit: int, after_seq: int | None = None
+) -> Sequence[Any]:
     """Up to `limit` dead rows of `table` matching `where`, newest first, below
     `after_seq` when given: (id, consumer, seq, topic, key, type, attempts,
     error group, written at, available_at)."""
@@ -73,9 +74,15 @@ async def page(conn: AsyncConnection, table: str, where: Any, *, limit: int,
         after_sql = "AND d.seq < :after_seq"
         params["after_seq"] = after_seq
     ident, consumer, written = COLUMNS[table]
-    sql = query("dead_list").format(ident=ident, consumer=consumer, written=written,
-                                    error_line=error_line(), table=table,
-                                    where=cond, after=after_sql)
+    sql = query("dead_list").format(
+        ident=ident,
+        consumer=consumer,
+        written=written,
+        error_line=error_line(),
+        table=table,
+        where=cond,
+        after=after_sql,
+    )
     params["limit"] = limit
     return (await conn.execute(statement(sql), params)).all()
 
@@ -91,8 +98,9 @@ async def count(conn: AsyncConnection, table: str, where: Any, cap: int | None) 
     return await conn.scalar(statement(sql), params) or 0
 
 
-async def groups(conn: AsyncConnection, table: str, where: Any, *, limit: int,
-                 newest: int | None) -> Sequence[Any]:
+async def groups(
+    conn: AsyncConnection, table: str, where: Any, *, limit: int, newest: int | None
+) -> Sequence[Any]:
     """(error group, count, newest written at) of the matching dead rows of
     `table`, largest first; of only its `newest` rows when given."""
     cond, params = condition(table, where)
@@ -106,8 +114,9 @@ async def groups(conn: AsyncConnection, table: str, where: Any, *, limit: int,
     return (await conn.execute(statement(sql), params)).all()
 
 
-async def get(conn: AsyncConnection, table: str, row_id: str,
-              consumer: str | None) -> Sequence[Any]:
+async def get(
+    conn: AsyncConnection, table: str, row_id: str, consumer: str | None
+) -> Sequence[Any]:
     """The dead rows of `table` with this id (an outbox id must be a UUID),
     in full: the columns of page(), then payload and headers as JSON text,
     last_error, the raw body and raw_properties (inbox)."""
@@ -123,14 +132,28 @@ async def get(conn: AsyncConnection, table: str, row_id: str,
             params["consumer"] = consumer
         extra = "d.body, d.raw_properties::text"
     order = " ORDER BY d.consumer" if table == "inbox" else ""
-    sql = query("dead_get").format(ident=ident, consumer=consumer_col, error_line=error_line(),
-                                   written=written, extra=extra, table=table, match=match,
-                                   order=order)
+    sql = query("dead_get").format(
+        ident=ident,
+        consumer=consumer_col,
+        error_line=error_line(),
+        written=written,
+        extra=extra,
+        table=table,
+        match=match,
+        order=order,
+    )
     return (await conn.execute(statement(sql), params)).all()
 
 
-async def edit(conn: AsyncConnection, table: str, row_id: str, consumer: str | None, *,
-               payload: str | None, headers: str | None) -> int:
+async def edit(
+    conn: AsyncConnection,
+    table: str,
+    row_id: str,
+    consumer: str | None,
+    *,
+    payload: str | None,
+    headers: str | None,
+) -> int:
     """Replace a dead row's payload and/or headers (JSON texts); returns how
     many rows changed (0: no longer dead)."""
     sets, params = [], {"id": row_id, "consumer": consumer}
@@ -142,15 +165,19 @@ async def edit(conn: AsyncConnection, table: str, row_id: str, consumer: str | N
     if headers is not None:
         sets.append("headers = CAST(:headers AS jsonb)")
         params["headers"] = headers
-    match = ("id = CAST(:id AS uuid)" if table == "outbox"
-             else "consumer = :consumer AND message_id = :id")
+    match = (
+        "id = CAST(:id AS uuid)"
+        if table == "outbox"
+        else "consumer = :consumer AND message_id = :id"
+    )
     sql = query("dead_update").format(table=table, sets=", ".join(sets), match=match)
     result = await conn.execute(statement(sql), params)
     return int(result.rowcount)
 
 
-async def lock(conn: AsyncConnection, table: str, where: Any,
-               ids: Sequence[str]) -> dict[str | None, list[str]]:
+async def lock(
+    conn: AsyncConnection, table: str, where: Any, ids: Sequence[str]
+) -> dict[str | None, list[str]]:
     """Ids of the matching dead rows (and, when given, with these ids;
     outbox ids UUIDs), locked, by consumer (None for the outbox)."""
     cond, params = condition(table, where)
@@ -168,8 +195,9 @@ async def lock(conn: AsyncConnection, table: str, where: Any,
     return chosen
 
 
-async def discard(conn: AsyncConnection, table: str, ids: Sequence[str],
-                  consumer: str | None, reason: str | None) -> int:
+async def discard(
+    conn: AsyncConnection, table: str, ids: Sequence[str], consumer: str | None, reason: str | None
+) -> int:
     """Move these dead rows whole into relay_discarded; returns how many."""
     params: dict[str, Any] = {"ids": list(ids), "reason": reason}
     if table == "inbox":

@@ -24,9 +24,17 @@ from relay.errors import DatabaseUnavailable, Refused
 Predicate = Callable[[BaseException], bool]
 
 __all__ = [
-    "Refused", "any_driver_error", "connection_invalidated", "describe", "failed_command",
-    "is_disconnect", "is_driver_error", "refused_by_content", "statement_gone",
-    "translate_errors", "unavailable",
+    "Refused",
+    "any_driver_error",
+    "connection_invalidated",
+    "describe",
+    "failed_command",
+    "is_disconnect",
+    "is_driver_error",
+    "refused_by_content",
+    "statement_gone",
+    "translate_errors",
+    "unavailable",
 ]
 
 
@@ -44,9 +52,11 @@ def is_disconnect(exc: BaseException) -> bool:
     """Does `exc` mean the server or the connection went away?"""
     if _sqlalchemy(exc, "DBAPIError"):
         return connection_invalidated(exc) or isinstance(
-            getattr(exc, "orig", None), psycopg.OperationalError)
+            getattr(exc, "orig", None), psycopg.OperationalError
+        )
     return isinstance(exc, (psycopg.OperationalError, OSError)) or _sqlalchemy(
-        exc, "InterfaceError")
+        exc, "InterfaceError"
+    )
 
 
 def statement_gone(exc: BaseException) -> bool:

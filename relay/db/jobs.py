@@ -17,8 +17,9 @@ async def delete_expired(store: Store, table: str, age: float, batch: int = 1000
         async with store.transaction() as conn:
             if not await conn.scalar(named("retention_lock"), {"id": RETENTION_LOCK[table]}):
                 return None if total == 0 else total
-            result = await conn.execute(named(f"delete_expired_{table}"),
-                                        {"age": age, "limit": batch})
+            result = await conn.execute(
+                named(f"delete_expired_{table}"), {"age": age, "limit": batch}
+            )
         total += result.rowcount
         if result.rowcount < batch:
             return total

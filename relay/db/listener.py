@@ -41,7 +41,10 @@ class Listener:
     """
 
     def __init__(
-        self, conninfo: str, channel: str, wake: Callable[[], None],
+        self,
+        conninfo: str,
+        channel: str,
+        wake: Callable[[], None],
         notify: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.conninfo = conninfo
@@ -51,13 +54,13 @@ class Listener:
         self.connected = asyncio.Event()
 
     @classmethod
-    def for_store(cls, store: Store, channel: str, wake: Callable[[], None],
-                  listen_url: str | None = None) -> Listener:
+    def for_store(
+        cls, store: Store, channel: str, wake: Callable[[], None], listen_url: str | None = None
+    ) -> Listener:
         """A Listener on `listen_url` (else the store's database URL) that
         checks itself with a notification sent through the store."""
         conninfo = pg.libpq_url(listen_url) if listen_url else store.conninfo
-        return cls(conninfo, channel, wake,
-                   notify=lambda payload: store.notify(channel, payload))
+        return cls(conninfo, channel, wake, notify=lambda payload: store.notify(channel, payload))
 
     async def run(self) -> None:
         delay = 0.5
@@ -73,7 +76,10 @@ class Listener:
                             "behind PgBouncer in transaction mode; polling every "
                             "--poll-interval instead. Give --listen-url a direct "
                             "PostgreSQL URL for LISTEN to get wake-ups.",
-                            redact_url(self.conninfo), self.channel, SELF_CHECK_SECONDS)
+                            redact_url(self.conninfo),
+                            self.channel,
+                            SELF_CHECK_SECONDS,
+                        )
                         with contextlib.suppress(psycopg.Error, OSError):
                             await conn.execute("UNLISTEN *")
                         break

@@ -24,18 +24,21 @@ metadata = sa.MetaData()
 outbox = sa.Table(
     "outbox",
     metadata,
-    sa.Column("id", UUID(as_uuid=True), primary_key=True,
-              server_default=sa.text("gen_random_uuid()")),
+    sa.Column(
+        "id", UUID(as_uuid=True), primary_key=True, server_default=sa.text("gen_random_uuid()")
+    ),
     sa.Column("seq", sa.BigInteger, sa.Identity(), nullable=False),
     sa.Column("topic", sa.Text, nullable=False),
     sa.Column("key", sa.Text),
     sa.Column("type", sa.Text),
     sa.Column("payload", JSONB(none_as_null=True), nullable=False),
     sa.Column("headers", JSONB, nullable=False, server_default=sa.text("'{}'")),
-    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
-    sa.Column("available_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
+    sa.Column(
+        "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    ),
+    sa.Column(
+        "available_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    ),
     sa.Column("status", sa.Text, nullable=False, server_default="pending"),
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_error", sa.Text),
@@ -54,10 +57,12 @@ inbox = sa.Table(
     sa.Column("payload", JSONB(none_as_null=True)),
     sa.Column("body", BYTEA),
     sa.Column("headers", JSONB, nullable=False, server_default=sa.text("'{}'")),
-    sa.Column("received_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
-    sa.Column("available_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
+    sa.Column(
+        "received_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    ),
+    sa.Column(
+        "available_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    ),
     sa.Column("status", sa.Text, nullable=False, server_default="pending"),
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_error", sa.Text),
@@ -75,8 +80,9 @@ discarded = sa.Table(
     sa.Column("consumer", sa.Text),
     sa.Column("row_data", JSONB, nullable=False),
     sa.Column("reason", sa.Text),
-    sa.Column("discarded_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
+    sa.Column(
+        "discarded_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    ),
 )
 
 VERSION_TABLE_DDL = query("schema_version_table") + "\n"

@@ -21,14 +21,17 @@ from relay.rows import Failure, OutboxRow
 # and a mark that a server crash loses only publishes those rows again
 # (at least once, same message id).
 OUTBOX_SESSION_OPTIONS = [
-    "-c enable_sort=off", "-c enable_bitmapscan=off", "-c enable_seqscan=off",
+    "-c enable_sort=off",
+    "-c enable_bitmapscan=off",
+    "-c enable_seqscan=off",
     "-c synchronous_commit=off",
 ]
 # The same settings for one transaction, where a pooler is between: jit
 # off too (see Store.session_options).
 _POOLED_SESSION = "; ".join(
     "SET LOCAL " + option.removeprefix("-c ").replace("=", " = ")
-    for option in ["-c jit=off", *OUTBOX_SESSION_OPTIONS])
+    for option in ["-c jit=off", *OUTBOX_SESSION_OPTIONS]
+)
 _UUID_LIST = re.compile(r"[0-9a-fA-F,-]*").fullmatch
 # The prepared statements' parameters, in order: relay_claim(int, int, int)
 # and relay_mark(uuid[]).
@@ -80,8 +83,11 @@ class OutboxSession:
             cursor = conn.cursor()
             args = [str(int(limit)), str(int(worker)), str(int(workers))]
             if self.pooled:
-                claim = _POOLED_SESSION + "; " + re.sub(
-                    r"\$(\d+)", lambda m: args[int(m[1]) - 1], self._claim_sql)
+                claim = (
+                    _POOLED_SESSION
+                    + "; "
+                    + re.sub(r"\$(\d+)", lambda m: args[int(m[1]) - 1], self._claim_sql)
+                )
             else:
                 claim = f"EXECUTE relay_claim({', '.join(args)})"
             await cursor.execute(f"BEGIN; {claim}")
@@ -106,13 +112,16 @@ class OutboxSession:
             conn = await self._connect()
             statuses: dict[str, str] = {}
             if failures:
-                cursor = await conn.execute(MARK_OUTBOX_FAILED, {
-                    "ids": [row.id for row, _, _ in failures],
-                    "errors": [clean_error(f.error) for _, f, _ in failures],
-                    "delays": [delay for _, _, delay in failures],
-                    "permanent": [f.permanent for _, f, _ in failures],
-                    "max_attempts": max_attempts,
-                })
+                cursor = await conn.execute(
+                    MARK_OUTBOX_FAILED,
+                    {
+                        "ids": [row.id for row, _, _ in failures],
+                        "errors": [clean_error(f.error) for _, f, _ in failures],
+                        "delays": [delay for _, _, delay in failures],
+                        "permanent": [f.permanent for _, f, _ in failures],
+                        "max_attempts": max_attempts,
+                    },
+                )
                 statuses = dict(await cursor.fetchall())
             # The ids the claim returned: UUIDs, which need no quoting.
             ids = ",".join(published)
@@ -121,8 +130,9 @@ class OutboxSession:
             if not ids:
                 await conn.execute("COMMIT")
             elif self.pooled:
-                await conn.execute(MARK_PUBLISHED.replace("$1", f"'{{{ids}}}'::uuid[]")
-                                   + "; COMMIT")
+                await conn.execute(
+                    MARK_PUBLISHED.replace("$1", f"'{{{ids}}}'::uuid[]") + "; COMMIT"
+                )
             else:
                 await conn.execute(f"EXECUTE relay_mark('{{{ids}}}'); COMMIT")
             return statuses
@@ -155,14 +165,18 @@ class OutboxSession:
             # DEALLOCATE ALL once it has prepared statements of its own,
             # which would take ours along.
             conn, self.pooled = await pg.connect_detecting(
-                self.conninfo, options=self.options, prepare_threshold=None)
+                self.conninfo, options=self.options, prepare_threshold=None
+            )
             if self.pooled:
                 self._conn = conn
                 return conn
             try:
                 await conn.execute(
-                    "PREPARE relay_claim(int, int, int) AS " + self._claim_sql
-                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED)
+                    "PREPARE relay_claim(int, int, int) AS "
+                    + self._claim_sql
+                    + "; PREPARE relay_mark(uuid[]) AS "
+                    + MARK_PUBLISHED
+                )
             except BaseException:
                 await conn.close()
                 raise

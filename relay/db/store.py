@@ -95,8 +95,9 @@ class Savepoint:
         if result.status == psycopg.pq.ExecStatus.COMMAND_OK:
             return
         message = (result.error_message or self._pgconn.error_message).decode(errors="replace")
-        raise failed_command(command, message,
-                             connection_bad=self._pgconn.status == psycopg.pq.ConnStatus.BAD)
+        raise failed_command(
+            command, message, connection_bad=self._pgconn.status == psycopg.pq.ConnStatus.BAD
+        )
 
 
 class HandlerSavepoints:
@@ -151,8 +152,7 @@ def _keep_no_session_state_behind_a_pooler(engine: sa.Engine) -> None:
         except psycopg.OperationalError as exc:
             if "options" not in cparams or not pg.refused_options(exc):
                 raise
-            return dialect.connect(*cargs, **{k: v for k, v in cparams.items()
-                                              if k != "options"})
+            return dialect.connect(*cargs, **{k: v for k, v in cparams.items() if k != "options"})
 
     @sa.event.listens_for(engine, "connect")
     def detect(dbapi_connection: Any, record: Any) -> None:
@@ -187,16 +187,15 @@ class Store:
             "pool_pre_ping": True,
             "pool_recycle": 3600,
             "connect_args": {
-                "connect_timeout": pg.CONNECT_TIMEOUT, "application_name": pg.APPLICATION_NAME,
+                "connect_timeout": pg.CONNECT_TIMEOUT,
+                "application_name": pg.APPLICATION_NAME,
                 "options": " ".join(self.session_options),
             },
         }
         self.engine: AsyncEngine = create_async_engine(self.url, **options)
         # The same database through psycopg's blocking connection, for a
         # dispatcher whose handlers are all sync (see relay.inbox.Dispatcher).
-        self.sync_engine: sa.Engine | None = (
-            sa.create_engine(self.url, **options) if sync else None
-        )
+        self.sync_engine: sa.Engine | None = sa.create_engine(self.url, **options) if sync else None
         for engine in (self.engine.sync_engine, self.sync_engine):
             if engine is not None:
                 _keep_no_session_state_behind_a_pooler(engine)
@@ -272,8 +271,13 @@ class Store:
     # engine (inside AsyncConnection.run_sync on the async one): these take one.
 
     def claim_inbox(
-        self, conn: sa.Connection, consumer: str, limit: int, on_dead: str,
-        worker: int = 0, workers: int = 1,
+        self,
+        conn: sa.Connection,
+        consumer: str,
+        limit: int,
+        on_dead: str,
+        worker: int = 0,
+        workers: int = 1,
     ) -> tuple[list[InboxRow], int]:
         """Lock due rows of a consumer, of this worker's share of the keys;
         returns the dispatchable ones and how many wait on rows of their key
@@ -295,8 +299,10 @@ class Store:
     def mark_processed(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
         if ids:
             with translate_errors():
-                conn.execute(named("inbox_mark_processed"),
-                             {"consumer": consumer, "ids": orjson.dumps(list(ids)).decode()})
+                conn.execute(
+                    named("inbox_mark_processed"),
+                    {"consumer": consumer, "ids": orjson.dumps(list(ids)).decode()},
+                )
 
     def mark_inbox_failed(
         self,
@@ -323,15 +329,26 @@ class Store:
             return {row_id: status for row_id, status in result}  # noqa: C416
 
     async def fail_hung_handler(
-        self, pid: int | None, consumer: str, row: InboxRow, error: str, delay: float,
+        self,
+        pid: int | None,
+        consumer: str,
+        row: InboxRow,
+        error: str,
+        delay: float,
         max_attempts: int,
     ) -> str | None:
         """End the transaction of a hung handler (backend `pid`: the
         dispatcher's own connection), then record its failed attempt; the
         UPDATE waits for the row lock the ended transaction held, and does
         nothing if the row was finished meanwhile. Returns the new status."""
-        params = {"consumer": consumer, "id": row.message_id, "attempts": row.attempts,
-                  "error": error, "delay": delay, "max_attempts": max_attempts}
+        params = {
+            "consumer": consumer,
+            "id": row.message_id,
+            "attempts": row.attempts,
+            "error": error,
+            "delay": delay,
+            "max_attempts": max_attempts,
+        }
         async with self.transaction() as conn:
             await conn.execute(named("lock_timeout"), {"timeout": "10s"})
             if pid is not None:
@@ -379,8 +396,9 @@ class Store:
     def inbox_body(self, conn: sa.Connection, consumer: str, message_id: str) -> bytes | None:
         """The raw body kept for an inbox row whose body was not JSON."""
         with translate_errors():
-            body = conn.execute(named("inbox_body"),
-                                {"consumer": consumer, "id": message_id}).scalar()
+            body = conn.execute(
+                named("inbox_body"), {"consumer": consumer, "id": message_id}
+            ).scalar()
         return bytes(body) if body is not None else None
 
     def handler_savepoints(self, conn: sa.Connection) -> HandlerSavepoints:
@@ -401,7 +419,11 @@ class Store:
 
 
 async def retry_in(
-    conn: AsyncConnection, table: str, *, ids: Sequence[str], all_dead: bool,
+    conn: AsyncConnection,
+    table: str,
+    *,
+    ids: Sequence[str],
+    all_dead: bool,
     consumer: str | None = None,
 ) -> int:
     """The retry of `relay retry` in the caller's transaction: dead (or the

@@ -28,18 +28,24 @@ def rows_json(batch: Sequence[NewInboxRow]) -> str:
     """A received batch as the JSON array INSERT_INBOX reads. Payloads and
     headers are JSON texts already (checked when received): they go in as
     they are."""
-    return orjson.dumps([
-        {
-            "message_id": m.message_id, "topic": m.topic, "key": m.key, "type": m.type,
-            "payload": None if m.payload is None else orjson.Fragment(m.payload),
-            "body": None if m.body is None else base64.b64encode(m.body).decode(),
-            "headers": orjson.Fragment(m.headers), "status": m.status,
-            "last_error": m.last_error,
-            # As a string: json_to_recordset would unescape a nested \u0000.
-            "raw_properties": m.raw_properties,
-        }
-        for m in batch
-    ]).decode()
+    return orjson.dumps(
+        [
+            {
+                "message_id": m.message_id,
+                "topic": m.topic,
+                "key": m.key,
+                "type": m.type,
+                "payload": None if m.payload is None else orjson.Fragment(m.payload),
+                "body": None if m.body is None else base64.b64encode(m.body).decode(),
+                "headers": orjson.Fragment(m.headers),
+                "status": m.status,
+                "last_error": m.last_error,
+                # As a string: json_to_recordset would unescape a nested \u0000.
+                "raw_properties": m.raw_properties,
+            }
+            for m in batch
+        ]
+    ).decode()
 
 
 class InboxWriter:

@@ -26,15 +26,19 @@ EFFECTS_DDL = (
 )
 
 _INSERT = sa.text(
-    "INSERT INTO effects (message_id, type, key, n, traceparent) "
-    "VALUES (:m, :t, :k, :n, :tp)"
+    "INSERT INTO effects (message_id, type, key, n, traceparent) VALUES (:m, :t, :k, :n, :tp)"
 )
 
 
 def _effect(message: relay.Message) -> dict[str, object]:
     payload = message.payload if isinstance(message.payload, dict) else {}
-    return {"m": message.id, "t": message.type, "k": message.key, "n": payload.get("n"),
-            "tp": message.headers.get("traceparent")}
+    return {
+        "m": message.id,
+        "t": message.type,
+        "k": message.key,
+        "n": payload.get("n"),
+        "tp": message.headers.get("traceparent"),
+    }
 
 
 @registry.handler("Effect")
@@ -114,13 +118,15 @@ def trace_effect(message: relay.Message, conn: sa.Connection) -> None:
     from opentelemetry import trace
 
     context = trace.get_current_span().get_span_context()
-    conn.execute(_INSERT, {**_effect(message),
-                           "tp": f"{context.trace_id:032x}-{context.span_id:016x}"})
+    conn.execute(
+        _INSERT, {**_effect(message), "tp": f"{context.trace_id:032x}-{context.span_id:016x}"}
+    )
 
 
 @registry.handler("RawBody")
 def raw_body(message: relay.Message, conn: sa.Connection) -> None:
     """Records what it was given: the raw body (hex) or the JSON payload, in `key`."""
-    seen = (f"body:{message.body.hex()}" if message.body is not None
-            else f"payload:{message.payload!r}")
+    seen = (
+        f"body:{message.body.hex()}" if message.body is not None else f"payload:{message.payload!r}"
+    )
     conn.execute(_INSERT, {**_effect(message), "k": seen})

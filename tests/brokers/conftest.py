@@ -76,11 +76,17 @@ class MemoryPort:
     def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
         return self.broker.consumer(queue, prefetch=prefetch)
 
-    async def send(self, queue: str, body: bytes, *, message_id: str | None = None,
-                   type: str | None = None, key: str | None = None,
-                   headers: dict[str, str] | None = None) -> None:
-        self.broker.send("in.x", body, message_id=message_id, type=type, key=key,
-                         headers=headers)
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.broker.send("in.x", body, message_id=message_id, type=type, key=key, headers=headers)
 
     def fallback_type(self, queue: str) -> str:
         return "in.x"  # the routing key
@@ -113,16 +119,28 @@ class AmqpPort:
         return await self.rabbit.queue(topic)
 
     def publisher(self, *, on_unroutable: str = "publish") -> Publisher:
-        return make_publisher(BrokerURL.parse(self.url), exchange=self.rabbit.exchange,
-                              workers=WORKERS, on_unroutable=on_unroutable)
+        return make_publisher(
+            BrokerURL.parse(self.url),
+            exchange=self.rabbit.exchange,
+            workers=WORKERS,
+            on_unroutable=on_unroutable,
+        )
 
     async def read(self, dest: aio_pika.abc.AbstractQueue, count: int) -> list[Received]:
         got = []
         for message in await self.rabbit.drain(dest, count):
             headers = dict(message.headers or {})
             key = headers.pop("x-relay-key", None)
-            got.append(Received(message.body, message.message_id, message.type, key,  # type: ignore[arg-type]
-                                headers, message))
+            got.append(
+                Received(
+                    message.body,
+                    message.message_id,
+                    message.type,
+                    key,  # type: ignore[arg-type]
+                    headers,
+                    message,
+                )
+            )
         assert await dest.get(no_ack=True, fail=False) is None, "more messages than expected"
         return got
 
@@ -131,8 +149,10 @@ class AmqpPort:
         channel = await self.rabbit.connection.channel()
         exchange = await channel.declare_exchange(self.rabbit.exchange, "topic", durable=True)
         full = await channel.declare_queue(
-            f"{self.rabbit.exchange}.full", durable=True,
-            arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+            f"{self.rabbit.exchange}.full",
+            durable=True,
+            arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+        )
         self.rabbit.queues.append(full.name)
         await full.bind(exchange, topic + "-refused")
         await channel.close()
@@ -148,17 +168,30 @@ class AmqpPort:
         return name
 
     def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
-        return make_consumer(BrokerURL.parse(self.url), queue=queue,
-                             exchange=self.rabbit.exchange, binds=["in.#"], prefetch=prefetch)
+        return make_consumer(
+            BrokerURL.parse(self.url),
+            queue=queue,
+            exchange=self.rabbit.exchange,
+            binds=["in.#"],
+            prefetch=prefetch,
+        )
 
-    async def send(self, queue: str, body: bytes, *, message_id: str | None = None,
-                   type: str | None = None, key: str | None = None,
-                   headers: dict[str, str] | None = None) -> None:
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         all_headers: dict[str, Any] = dict(headers or {})
         if key is not None:
             all_headers["x-relay-key"] = key
-        await self.rabbit.publish("in.x", body, message_id=message_id, type=type,
-                                  headers=all_headers)
+        await self.rabbit.publish(
+            "in.x", body, message_id=message_id, type=type, headers=all_headers
+        )
 
     def fallback_type(self, queue: str) -> str:
         return "in.x"  # the routing key
@@ -170,8 +203,11 @@ class AmqpPort:
         self.proxy.start()
 
     def unreachable(self) -> Publisher:
-        return make_publisher(BrokerURL.parse("amqp://guest:s3cret@127.0.0.1:1/"),
-                              exchange=self.rabbit.exchange, workers=WORKERS)
+        return make_publisher(
+            BrokerURL.parse("amqp://guest:s3cret@127.0.0.1:1/"),
+            exchange=self.rabbit.exchange,
+            workers=WORKERS,
+        )
 
 
 class SqsPort:
@@ -194,8 +230,12 @@ class SqsPort:
         return topic
 
     def publisher(self, *, on_unroutable: str = "publish") -> Publisher:
-        return make_publisher(BrokerURL.parse(self.url), exchange="relay",
-                              workers=WORKERS, on_unroutable=on_unroutable)
+        return make_publisher(
+            BrokerURL.parse(self.url),
+            exchange="relay",
+            workers=WORKERS,
+            on_unroutable=on_unroutable,
+        )
 
     async def read(self, dest: str, count: int) -> list[Received]:
         got: list[Received] = []
@@ -204,8 +244,16 @@ class SqsPort:
                 attrs = message.get("MessageAttributes", {})
                 text = {n: a["StringValue"] for n, a in attrs.items()}
                 headers = orjson.loads(text["headers"]) if "headers" in text else {}
-                got.append(Received(message["Body"].encode(), text.get("message_id"),
-                                    text.get("type"), text.get("key"), headers, message))
+                got.append(
+                    Received(
+                        message["Body"].encode(),
+                        text.get("message_id"),
+                        text.get("type"),
+                        text.get("key"),
+                        headers,
+                        message,
+                    )
+                )
             if len(got) >= count:
                 break
         assert len(got) == count, f"{len(got)} messages in {dest}, not {count}"
@@ -238,20 +286,35 @@ class SqsPort:
         return name
 
     def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
-        return make_consumer(BrokerURL.parse(self.url), queue=queue, exchange="relay",
-                             binds=(), prefetch=prefetch)
+        return make_consumer(
+            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+        )
 
-    async def send(self, queue: str, body: bytes, *, message_id: str | None = None,
-                   type: str | None = None, key: str | None = None,
-                   headers: dict[str, str] | None = None) -> None:
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         attributes = {}
-        for name, value in (("message_id", message_id), ("type", type), ("key", key),
-                            ("headers", orjson.dumps(headers).decode() if headers else None)):
+        for name, value in (
+            ("message_id", message_id),
+            ("type", type),
+            ("key", key),
+            ("headers", orjson.dumps(headers).decode() if headers else None),
+        ):
             if value is not None:
                 attributes[name] = {"DataType": "String", "StringValue": value}
         await asyncio.to_thread(
-            self.sqs.client.send_message, QueueUrl=self.sqs.urls[queue],
-            MessageBody=body.decode(), MessageAttributes=attributes)
+            self.sqs.client.send_message,
+            QueueUrl=self.sqs.urls[queue],
+            MessageBody=body.decode(),
+            MessageAttributes=attributes,
+        )
 
     def fallback_type(self, queue: str) -> str:
         return queue  # the queue's name
@@ -265,7 +328,9 @@ class SqsPort:
     def unreachable(self) -> Publisher:
         return make_publisher(
             BrokerURL.parse(f"sqs://?region={REGION}&endpoint_url=http://127.0.0.1:1"),
-            exchange="relay", workers=WORKERS)
+            exchange="relay",
+            workers=WORKERS,
+        )
 
 
 Port = MemoryPort | AmqpPort | SqsPort

@@ -19,7 +19,7 @@ def pamqp_bytes(channel, exchange, routing_key, body, properties, max_content):
         spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True),
         ContentHeader(properties=properties, body_size=len(body)),
     ]
-    frames += [ContentBody(body[i:i + max_content]) for i in range(0, len(body), max_content)]
+    frames += [ContentBody(body[i : i + max_content]) for i in range(0, len(body), max_content)]
     return b"".join(frame.marshal(f, channel) for f in frames)
 
 
@@ -30,13 +30,24 @@ def test_same_bytes_as_pamqp(type_, headers, body):
     message_id = str(uuid.uuid4())
     stamp = datetime(2026, 11, 22, 3, 4, 5, 678000, tzinfo=UTC)
     properties = spec.Basic.Properties(
-        content_type="application/json", delivery_mode=2, message_id=message_id,
-        message_type=type_, timestamp=stamp, headers=headers or None,
+        content_type="application/json",
+        delivery_mode=2,
+        message_id=message_id,
+        message_type=type_,
+        timestamp=stamp,
+        headers=headers or None,
     )
     expected = pamqp_bytes(3, "relay", "orders.placed", body, properties, 4096)
     got = publish_frames(
-        3, shortstr("relay"), "orders.placed", body, message_id=message_id, type=type_,
-        timestamp=stamp, headers=headers, max_content_size=4096,
+        3,
+        shortstr("relay"),
+        "orders.placed",
+        body,
+        message_id=message_id,
+        type=type_,
+        timestamp=stamp,
+        headers=headers,
+        max_content_size=4096,
     )
     assert got == expected
 

@@ -23,8 +23,15 @@ from tests.brokers.conftest import AmqpPort, Port, SqsPort
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
-def row(topic: str, payload: object = None, *, key: str | None = None,
-        type: str | None = None, headers: str = "{}", n: int = 0) -> OutboxRow:
+def row(
+    topic: str,
+    payload: object = None,
+    *,
+    key: str | None = None,
+    type: str | None = None,
+    headers: str = "{}",
+    n: int = 0,
+) -> OutboxRow:
     text = orjson.dumps({"n": n} if payload is None else payload).decode()
     return OutboxRow(str(uuid.uuid4()), n, topic, key, type, text, headers, CREATED, 0)
 
@@ -50,8 +57,13 @@ async def collect(consumer: object, count: int, timeout: float = 20) -> list[Inc
 async def test_a_batch_is_confirmed_row_by_row_carrying_id_type_key_and_headers(port: Port):
     topic = port.topic("orders")
     dest = await port.destination(topic)
-    full = row(topic, {"order_id": 7, "note": "é"}, key="order-7", type="OrderPlaced",
-               headers='{"traceparent": "00-abc-def-01"}')
+    full = row(
+        topic,
+        {"order_id": 7, "note": "é"},
+        key="order-7",
+        type="OrderPlaced",
+        headers='{"traceparent": "00-abc-def-01"}',
+    )
     plain = row(topic, [1, 2, 3])
     publisher = port.publisher()
     try:
@@ -61,10 +73,17 @@ async def test_a_batch_is_confirmed_row_by_row_carrying_id_type_key_and_headers(
         await publisher.close()
     got = {m.message_id: m for m in await port.read(dest, 2)}
     assert (got[full.id].body, got[full.id].type, got[full.id].key, got[full.id].headers) == (
-        '{"order_id":7,"note":"é"}'.encode(), "OrderPlaced", "order-7",
-        {"traceparent": "00-abc-def-01"})
-    assert (got[plain.id].body, got[plain.id].type, got[plain.id].key,
-            got[plain.id].headers) == (b"[1,2,3]", None, None, {})
+        '{"order_id":7,"note":"é"}'.encode(),
+        "OrderPlaced",
+        "order-7",
+        {"traceparent": "00-abc-def-01"},
+    )
+    assert (got[plain.id].body, got[plain.id].type, got[plain.id].key, got[plain.id].headers) == (
+        b"[1,2,3]",
+        None,
+        None,
+        {},
+    )
     if isinstance(port, AmqpPort):  # the contract's AMQP properties
         message = got[full.id].raw
         assert (message.routing_key, message.exchange) == (topic, port.rabbit.exchange)
@@ -134,8 +153,12 @@ async def test_an_unroutable_message_is_reported_not_lost_silently(port: Port):
 async def test_rows_no_broker_can_carry_fail_for_good_and_alone(port: Port):
     topic = port.topic("carry")
     dest = await port.destination(topic)
-    batch = [row(topic, headers='{"n": 1}'), row(topic, headers="[1]"), row(""),
-             row(topic, headers='{"a": "b"}', n=4)]
+    batch = [
+        row(topic, headers='{"n": 1}'),
+        row(topic, headers="[1]"),
+        row(""),
+        row(topic, headers='{"a": "b"}', n=4),
+    ]
     publisher = port.publisher()
     try:
         results = await publisher.publish(batch)
@@ -195,8 +218,14 @@ async def test_a_broker_that_goes_away_is_unavailable_then_publishing_resumes(po
 
 async def test_a_received_message_carries_id_type_key_headers_and_the_type_fallback(port: Port):
     queue = await port.inbox_queue()
-    await port.send(queue, b'{"n": 5}', message_id="m-1", type="Effect", key="order-5",
-                    headers={"traceparent": "00-aa-bb-01"})
+    await port.send(
+        queue,
+        b'{"n": 5}',
+        message_id="m-1",
+        type="Effect",
+        key="order-5",
+        headers={"traceparent": "00-aa-bb-01"},
+    )
     await port.send(queue, b'{"n": 6}', message_id="m-2")  # no type, no key
     consumer = port.consumer(queue)
     try:

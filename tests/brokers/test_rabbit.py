@@ -93,8 +93,13 @@ class OwnNode:
         }
 
     def start(self) -> None:
-        subprocess.run(["rabbitmq-server", "-detached"], env=self.env, check=True,
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            ["rabbitmq-server", "-detached"],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
         def answers() -> bool:
             with contextlib.suppress(OSError):
@@ -105,8 +110,13 @@ class OwnNode:
         wait_until(answers, timeout=90, interval=0.2, message=f"RabbitMQ node {self.name}")
 
     def ctl(self, *args: str) -> str:
-        done = subprocess.run(["rabbitmqctl", "-n", self.name, *args], capture_output=True,
-                              text=True, timeout=60, check=False)
+        done = subprocess.run(
+            ["rabbitmqctl", "-n", self.name, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout
 
@@ -115,8 +125,12 @@ class OwnNode:
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
-            subprocess.run(["rabbitmqctl", "-n", self.name, "stop"], capture_output=True,
-                           timeout=60, check=False)
+            subprocess.run(
+                ["rabbitmqctl", "-n", self.name, "stop"],
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
         shutil.rmtree(self.base, ignore_errors=True)
 
 
@@ -169,9 +183,17 @@ async def test_on_unroutable_fail_keeps_the_old_behaviour_a_failed_attempt(
 ):
     with engine.begin() as conn:
         relay.enqueue(conn, "nobody.listens", {})
-    result = run_relay("outbox", "--once", "--exchange", rabbit.exchange,
-                       "--backoff-min", "30", "--backoff-max", "60",
-                       env={"RELAY_ON_UNROUTABLE": "fail"})
+    result = run_relay(
+        "outbox",
+        "--once",
+        "--exchange",
+        rabbit.exchange,
+        "--backoff-min",
+        "30",
+        "--backoff-max",
+        "60",
+        env={"RELAY_ON_UNROUTABLE": "fail"},
+    )
     assert result.returncode == 0, result.stderr
     [(status, attempts, error)] = rows(engine, "SELECT status, attempts, last_error FROM outbox")
     assert (status, attempts) == ("pending", 1)
@@ -206,18 +228,27 @@ def test_queue_type_and_args_are_rabbitmq_only_and_must_agree(database):
     with pytest.raises(ConfigError, match="RabbitMQ only"):
         InboxSettings(database_url=database, broker=sqs, queue="q", queue_type="quorum")
     with pytest.raises(ConfigError, match="RabbitMQ only"):
-        InboxSettings(database_url=database, broker=sqs, queue="q",
-                      queue_args=(("x-max-length", 5),))
+        InboxSettings(
+            database_url=database, broker=sqs, queue="q", queue_args=(("x-max-length", 5),)
+        )
     with pytest.raises(ConfigError, match="contradicts"):
-        InboxSettings(database_url=database, broker=BrokerURL.parse(AMQP_URL), queue="q",
-                      queue_type="quorum", queue_args=(("x-queue-type", "classic"),))
+        InboxSettings(
+            database_url=database,
+            broker=BrokerURL.parse(AMQP_URL),
+            queue="q",
+            queue_type="quorum",
+            queue_args=(("x-queue-type", "classic"),),
+        )
 
 
-@pytest.mark.parametrize(("args", "error"), [
-    (["--queue-arg", "x-max-length"], "invalid --queue-arg 'x-max-length': use NAME=VALUE"),
-    (["--queue-type", "stream"], "invalid --queue-type 'stream': use classic or quorum"),
-    (["--queue-type", "quorum", "--broker-url", "sqs://"], "apply to RabbitMQ only"),
-])
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--queue-arg", "x-max-length"], "invalid --queue-arg 'x-max-length': use NAME=VALUE"),
+        (["--queue-type", "stream"], "invalid --queue-type 'stream': use classic or quorum"),
+        (["--queue-type", "quorum", "--broker-url", "sqs://"], "apply to RabbitMQ only"),
+    ],
+)
 def test_bad_queue_options_exit_2_with_one_line(run_relay, args, error):
     result = run_relay("inbox", "--queue", "q", *args)
     assert result.returncode == 2
@@ -243,8 +274,12 @@ async def test_inbox_declares_a_quorum_queue_with_its_arguments_and_consumes_it(
     effects, rabbit, inbox, run_relay
 ):
     # A repeatable option's variable takes its values separated by spaces.
-    daemon = inbox("--queue-type", "quorum", bind="quorum.#",
-                   env={"RELAY_QUEUE_ARG": "x-delivery-limit=5 x-max-length=100000"})
+    daemon = inbox(
+        "--queue-type",
+        "quorum",
+        bind="quorum.#",
+        env={"RELAY_QUEUE_ARG": "x-delivery-limit=5 x-max-length=100000"},
+    )
     queue = daemon.queue  # type: ignore[attr-defined]
     # What RabbitMQ holds: the same arguments are equivalent, others are not.
     declared = {"x-queue-type": "quorum", "x-delivery-limit": 5, "x-max-length": 100000}
@@ -254,8 +289,10 @@ async def test_inbox_declares_a_quorum_queue_with_its_arguments_and_consumes_it(
     with effects.begin() as conn:
         ids = [relay.enqueue(conn, "quorum.x", {"n": n}, type="Effect") for n in range(20)]
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0
-    wait_until(lambda: rows(effects, "SELECT count(*) FROM inbox WHERE status = 'processed'")
-               == [(20,)], message="20 processed")
+    wait_until(
+        lambda: rows(effects, "SELECT count(*) FROM inbox WHERE status = 'processed'") == [(20,)],
+        message="20 processed",
+    )
     assert {r[0] for r in rows(effects, "SELECT message_id FROM inbox")} == {str(i) for i in ids}
 
 
@@ -263,8 +300,17 @@ async def test_a_queue_that_exists_with_other_arguments_exits_2_with_a_clear_lin
     rabbit, start_relay
 ):
     queue = await rabbit.queue(name=f"{rabbit.exchange}.classic")  # classic, no arguments
-    daemon = start_relay("inbox", "--queue", queue.name, "--exchange", rabbit.exchange,
-                         "--handlers", HANDLERS, "--queue-type", "quorum")
+    daemon = start_relay(
+        "inbox",
+        "--queue",
+        queue.name,
+        "--exchange",
+        rabbit.exchange,
+        "--handlers",
+        HANDLERS,
+        "--queue-type",
+        "quorum",
+    )
     assert daemon.wait(timeout=60) == 2, daemon.log
     [line] = [line for line in daemon.log.splitlines() if "error" in line]
     assert "exists with other arguments" in line and "x-queue-type" in line, daemon.log
@@ -278,8 +324,17 @@ async def test_without_queue_options_a_queue_declared_otherwise_is_used_as_it_is
     name = f"{rabbit.exchange}.owned"
     await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
     rabbit.queues.append(name)
-    daemon = start_relay("inbox", "--queue", name, "--exchange", rabbit.exchange,
-                         "--bind", "owned.#", "--handlers", HANDLERS)
+    daemon = start_relay(
+        "inbox",
+        "--queue",
+        name,
+        "--exchange",
+        rabbit.exchange,
+        "--bind",
+        "owned.#",
+        "--handlers",
+        HANDLERS,
+    )
     daemon.wait_for_log("inbox started", timeout=30)
     with effects.begin() as conn:
         relay.enqueue(conn, "owned.x", {"n": 1}, type="Effect")
@@ -299,7 +354,10 @@ def test_every_node_password_is_redacted():
     assert broker.nodes == ("amqp://u:first-secret@a:5672/", "amqp://v:second-secret@b:5672/vh")
     assert "secret" not in repr(broker)
     # A PostgreSQL multi-host URL (commas inside one URL) is masked as before.
-    assert redact_url("postgresql://u:pw@h1:5432,h2:5432/db") == "postgresql://u:***@h1:5432,h2:5432/db"
+    assert (
+        redact_url("postgresql://u:pw@h1:5432,h2:5432/db")
+        == "postgresql://u:***@h1:5432,h2:5432/db"
+    )
     with pytest.raises(ConfigError) as refused:
         BrokerURL.parse("amqp://u:first-secret@a:5672/,sqs://")
     assert "secret" not in str(refused.value) and "only amqp://" in str(refused.value)
@@ -336,12 +394,22 @@ async def test_losing_a_node_moves_both_daemons_to_the_next_losing_nothing_count
     url = f"{node_url(first.port)},{node_url(second.port)}"
     queue = f"{rabbit.exchange}.in"
     rabbit.queues.append(queue)
-    inbox = start_relay("inbox", "--queue", queue, "--exchange", rabbit.exchange,
-                        "--bind", "nodes.#", "--handlers", HANDLERS,
-                        env={"RELAY_BROKER_URL": url})
+    inbox = start_relay(
+        "inbox",
+        "--queue",
+        queue,
+        "--exchange",
+        rabbit.exchange,
+        "--bind",
+        "nodes.#",
+        "--handlers",
+        HANDLERS,
+        env={"RELAY_BROKER_URL": url},
+    )
     inbox.wait_for_log("inbox started", timeout=30)
-    outbox = start_relay("outbox", "--exchange", rabbit.exchange, "--batch-size", "50",
-                         env={"RELAY_BROKER_URL": url})
+    outbox = start_relay(
+        "outbox", "--exchange", rabbit.exchange, "--batch-size", "50", env={"RELAY_BROKER_URL": url}
+    )
     outbox.wait_for_log("outbox relay started")
     total = 3000
     with effects.begin() as conn:
@@ -358,8 +426,13 @@ async def test_losing_a_node_moves_both_daemons_to_the_next_losing_nothing_count
             relay.enqueue(conn, "nodes.x", {"n": n}, type="Effect", key=f"k{n % 7}")
     wait_until(lambda: published() == total, timeout=60, message="all published")
     assert rows(effects, "SELECT count(*) FROM outbox WHERE attempts > 0") == [(0,)]
-    wait_until(lambda: rows(effects, "SELECT count(*) FROM inbox WHERE status = 'processed'")
-               == [(total,)], timeout=60, message="all processed")
+    wait_until(
+        lambda: (
+            rows(effects, "SELECT count(*) FROM inbox WHERE status = 'processed'") == [(total,)]
+        ),
+        timeout=60,
+        message="all processed",
+    )
     assert rows(effects, "SELECT count(*) FROM inbox WHERE attempts > 0") == [(0,)]
     for daemon in (outbox, inbox):
         # (the password, "guest", is masked wherever it appears: the user name too)
@@ -375,8 +448,7 @@ async def test_a_memory_alarm_pauses_publishing_uncounted_says_why_and_resumes(
     engine, own_node, start_relay
 ):
     port = free_port()
-    daemon = start_relay("outbox", "--http-port", str(port),
-                         env={"RELAY_BROKER_URL": own_node.url})
+    daemon = start_relay("outbox", "--http-port", str(port), env={"RELAY_BROKER_URL": own_node.url})
     daemon.wait_for_log("outbox relay started")
     with engine.begin() as conn:
         relay.enqueue(conn, "alarm.before", {})  # unroutable: published, counted
@@ -386,16 +458,22 @@ async def test_a_memory_alarm_pauses_publishing_uncounted_says_why_and_resumes(
     try:
         with engine.begin() as conn:
             relay.enqueue(conn, "alarm.during", {})
-        wait_until(lambda: http_get(port, "/readyz")[0] == 503, timeout=30,
-                   message="/readyz 503 while blocked")
+        wait_until(
+            lambda: http_get(port, "/readyz")[0] == 503,
+            timeout=30,
+            message="/readyz 503 while blocked",
+        )
         _, body = http_get(port, "/readyz")
         assert "blocks publishing" in body and "memory" in body.lower(), body
         assert "RabbitMQ blocked the connection" in daemon.log
         assert statuses(engine) == [("published", 0), ("pending", 0)]
     finally:
         own_node.memory_alarm(False)
-    wait_until(lambda: statuses(engine) == [("published", 0)] * 2, timeout=30,
-               message="published once unblocked")
+    wait_until(
+        lambda: statuses(engine) == [("published", 0)] * 2,
+        timeout=30,
+        message="published once unblocked",
+    )
     wait_until(lambda: http_get(port, "/readyz")[0] == 200)
     assert "publishing resumes" in daemon.log
     assert "relay_outbox_failed_total 0.0" in metrics(port)
@@ -406,8 +484,14 @@ async def test_the_alternate_exchange_recipe_keeps_unroutable_messages(
 ):
     # README's recipe, on the node of our own (no policies on the shared one).
     exchange, kept = "relay-ae-test", "relay-ae-test.unrouted"
-    own_node.ctl("set_policy", "relay-ae-test", f"^{exchange}$",
-                 f'{{"alternate-exchange":"{kept}"}}', "--apply-to", "exchanges")
+    own_node.ctl(
+        "set_policy",
+        "relay-ae-test",
+        f"^{exchange}$",
+        f'{{"alternate-exchange":"{kept}"}}',
+        "--apply-to",
+        "exchanges",
+    )
     connection = await aio_pika.connect(own_node.url)
     try:
         channel = await connection.channel()
@@ -417,8 +501,14 @@ async def test_the_alternate_exchange_recipe_keeps_unroutable_messages(
         with engine.begin() as conn:
             message_id = relay.enqueue(conn, "nobody.listens", {"n": 1})
         port = free_port()
-        start_relay("outbox", "--exchange", exchange, "--http-port", str(port),
-                    env={"RELAY_BROKER_URL": own_node.url})
+        start_relay(
+            "outbox",
+            "--exchange",
+            exchange,
+            "--http-port",
+            str(port),
+            env={"RELAY_BROKER_URL": own_node.url},
+        )
         wait_until(lambda: statuses(engine) == [("published", 0)])
         message = await queue.get(timeout=10)
         assert message.message_id == str(message_id)

@@ -50,7 +50,8 @@ async def test_oversized_message_is_dead_with_a_clear_error(engine, sqs, run_rel
     [message] = sqs.receive(topic)
     assert message["MessageAttributes"]["message_id"]["StringValue"] == str(small)
     [(status, attempts, error)] = rows(
-        engine, "SELECT status, attempts, last_error FROM outbox WHERE id = :id", id=big)
+        engine, "SELECT status, attempts, last_error FROM outbox WHERE id = :id", id=big
+    )
     assert (status, attempts) == ("dead", 1)
     assert "bytes" in error and "over the 262144-byte limit" in error and topic in error
 
@@ -61,8 +62,9 @@ def test_sqs_bind_and_a_bad_queue_name_are_configuration_errors(run_relay):
         ("--queue", "orders.in"): "invalid --queue 'orders.in' for SQS",
     }
     for args, expected in cases.items():
-        result = run_relay("inbox", "--broker-url", "sqs://", *args,
-                           env={"AWS_DEFAULT_REGION": "us-east-1"})
+        result = run_relay(
+            "inbox", "--broker-url", "sqs://", *args, env={"AWS_DEFAULT_REGION": "us-east-1"}
+        )
         assert result.returncode == 2, (args, result.stderr)
         assert expected in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
@@ -71,8 +73,9 @@ def test_sqs_bind_and_a_bad_queue_name_are_configuration_errors(run_relay):
 def test_sqs_without_a_region_is_a_configuration_error(run_relay):
     if os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION"):
         pytest.skip("this environment sets an AWS region")
-    result = run_relay("outbox", "--once", "--broker-url", "sqs://",
-                       env={"AWS_CONFIG_FILE": "/nonexistent"})
+    result = run_relay(
+        "outbox", "--once", "--broker-url", "sqs://", env={"AWS_CONFIG_FILE": "/nonexistent"}
+    )
     assert result.returncode == 2, result.stderr
     assert "no AWS region for SQS" in result.stderr and "Traceback" not in result.stderr
 
@@ -83,9 +86,13 @@ async def test_sqs_region_and_endpoint_from_the_url(engine, sqs, run_relay):
     with engine.begin() as conn:
         relay.enqueue(conn, topic, {"n": 1})
     url = f"sqs://?region=us-east-1&endpoint_url={sqs.endpoint}"
-    env = {"RELAY_BROKER_URL": url, "AWS_ENDPOINT_URL_SQS": "http://127.0.0.1:1",
-           "AWS_DEFAULT_REGION": "eu-west-3", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing"}
+    env = {
+        "RELAY_BROKER_URL": url,
+        "AWS_ENDPOINT_URL_SQS": "http://127.0.0.1:1",
+        "AWS_DEFAULT_REGION": "eu-west-3",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+    }
     result = run_relay("outbox", "--once", env=env)
     assert result.returncode == 0, result.stderr
     assert rows(engine, "SELECT status FROM outbox") == [("published",)]
@@ -95,15 +102,26 @@ async def test_sqs_region_and_endpoint_from_the_url(engine, sqs, run_relay):
 
 async def test_sqs_inbox_waits_for_a_missing_queue(effects, sqs, start_relay):
     queue = sqs.name("later")
-    daemon = start_relay("inbox", "--queue", queue, "--handlers", HANDLERS,
-                         env={"RELAY_BROKER_URL": "sqs://", **sqs.env})
+    daemon = start_relay(
+        "inbox",
+        "--queue",
+        queue,
+        "--handlers",
+        HANDLERS,
+        env={"RELAY_BROKER_URL": "sqs://", **sqs.env},
+    )
     daemon.wait_for_log("retrying in", timeout=20)
     assert f"SQS queue {queue!r} does not exist" in daemon.log
     assert daemon.proc.poll() is None
     sqs.create(queue)
-    sqs.client.send_message(QueueUrl=sqs.urls[queue], MessageBody='{"n": 1}', MessageAttributes={
-        "message_id": {"DataType": "String", "StringValue": "late-1"},
-        "type": {"DataType": "String", "StringValue": "Effect"}})
+    sqs.client.send_message(
+        QueueUrl=sqs.urls[queue],
+        MessageBody='{"n": 1}',
+        MessageAttributes={
+            "message_id": {"DataType": "String", "StringValue": "late-1"},
+            "type": {"DataType": "String", "StringValue": "Effect"},
+        },
+    )
     wait_until(lambda: effect_ids(effects) == ["late-1"], timeout=60)
     started = time.monotonic()
     daemon.stop()  # its receivers are in 20-second long polls: not waited for
@@ -161,7 +179,7 @@ def test_sqs_calls_hold_10_entries_and_the_byte_limit_and_keep_key_order():
     for lane in split:
         assert [e.index for e in lane] == sorted(e.index for e in lane)  # seq order
     keys = [{e.order_key for e in lane} for lane in split]
-    assert all(a.isdisjoint(b) for i, a in enumerate(keys) for b in keys[i + 1:])
+    assert all(a.isdisjoint(b) for i, a in enumerate(keys) for b in keys[i + 1 :])
     calls = chunks(split[0])
     assert all(len(c) <= 10 for c in calls) and sum(map(len, calls)) == len(split[0])
     assert len(lanes(entries[:12])) == 2  # few rows: few calls
@@ -189,8 +207,12 @@ def test_sqs_fifo_entry_and_bad_content():
 def test_sqs_error_classification():
     def client_error(code: str, status: int = 400) -> botocore.exceptions.ClientError:
         return botocore.exceptions.ClientError(
-            {"Error": {"Code": code, "Message": "m"},
-             "ResponseMetadata": {"HTTPStatusCode": status}}, "SendMessageBatch")
+            {
+                "Error": {"Code": code, "Message": "m"},
+                "ResponseMetadata": {"HTTPStatusCode": status},
+            },
+            "SendMessageBatch",
+        )
 
     throttled = call_failure(client_error("ThrottlingException"), "q")
     assert throttled.error.startswith("throttled by SQS") and not throttled.permanent
@@ -205,20 +227,37 @@ def test_sqs_received_attributes_map_to_the_inbox_fields():
     def attrs(**values: str) -> dict[str, Any]:
         return {k: {"DataType": "String", "StringValue": v} for k, v in values.items()}
 
-    message = {"Body": '{"a":1}', "ReceiptHandle": "rh", "MessageId": "sqs-id",
-               "MessageAttributes": attrs(message_id="m", type="T", key="k",
-                                          headers='{"traceparent":"tp"}', extra="e")}
+    message = {
+        "Body": '{"a":1}',
+        "ReceiptHandle": "rh",
+        "MessageId": "sqs-id",
+        "MessageAttributes": attrs(
+            message_id="m", type="T", key="k", headers='{"traceparent":"tp"}', extra="e"
+        ),
+    }
     incoming = to_incoming(message, "q")
     assert (incoming.message_id, incoming.type, incoming.key, incoming.topic) == (
-        "m", "T", "k", "q")
+        "m",
+        "T",
+        "k",
+        "q",
+    )
     assert incoming.headers == {"traceparent": "tp", "extra": "e"}
     assert incoming.body == b'{"a":1}' and incoming.ack_token == "rh"
-    bare = to_incoming({"Body": "x", "ReceiptHandle": "rh", "MessageId": "sqs-id",
-                        "MessageAttributes": attrs(headers="not json")}, "q")
+    bare = to_incoming(
+        {
+            "Body": "x",
+            "ReceiptHandle": "rh",
+            "MessageId": "sqs-id",
+            "MessageAttributes": attrs(headers="not json"),
+        },
+        "q",
+    )
     # Never the SQS MessageId: the inbox falls back to the body's sha256.
     assert (bare.message_id, bare.type, bare.headers) == (None, "q", {"headers": "not json"})
 
 
 def test_sqs_publisher_is_not_connected_before_it_connects():
-    assert not make_publisher(BrokerURL.parse("sqs://"), exchange="relay",
-                              workers=WORKERS).connected
+    assert not make_publisher(
+        BrokerURL.parse("sqs://"), exchange="relay", workers=WORKERS
+    ).connected

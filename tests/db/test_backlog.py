@@ -26,30 +26,36 @@ def _gauge(port: int, name: str, table: str) -> float | None:
         return None
 
 
-def _reaches(port: int, name: str, table: str, ok: Callable[[float], bool]
-             ) -> Callable[[], bool]:
+def _reaches(port: int, name: str, table: str, ok: Callable[[float], bool]) -> Callable[[], bool]:
     def check() -> bool:
         value = _gauge(port, name, table)
         return value is not None and ok(value)
+
     return check
 
 
 def _dead_tuples_then_vacuum(engine: sa.Engine, port: int, table: str, finished: int) -> None:
     """Each finished row left a dead version; a VACUUM clears them and is dated."""
-    wait_until(_reaches(port, "relay_table_dead_tuples", table, lambda v: v >= finished),
-               timeout=60, message=f"{table}'s dead tuples in /metrics")
+    wait_until(
+        _reaches(port, "relay_table_dead_tuples", table, lambda v: v >= finished),
+        timeout=60,
+        message=f"{table}'s dead tuples in /metrics",
+    )
     assert _gauge(port, "relay_table_last_vacuum_timestamp_seconds", table) == 0.0
     before = time.time()
     _vacuum(engine, table)
-    wait_until(_reaches(port, "relay_table_last_vacuum_timestamp_seconds", table,
-                        lambda v: v >= before - 1), timeout=60,
-               message=f"{table}'s last vacuum in /metrics")
+    wait_until(
+        _reaches(
+            port, "relay_table_last_vacuum_timestamp_seconds", table, lambda v: v >= before - 1
+        ),
+        timeout=60,
+        message=f"{table}'s last vacuum in /metrics",
+    )
     assert _gauge(port, "relay_table_last_vacuum_timestamp_seconds", table) <= time.time() + 1
     wait_until(_reaches(port, "relay_table_dead_tuples", table, lambda v: v == 0), timeout=60)
 
 
-async def test_outbox_exports_its_table_dead_tuples_and_last_vacuum(engine, rabbit,
-                                                                    start_relay):
+async def test_outbox_exports_its_table_dead_tuples_and_last_vacuum(engine, rabbit, start_relay):
     await rabbit.queue("b.#")
     insert_outbox(engine, 30, topic="b.x", keys=3)
     port = free_port()
@@ -70,20 +76,30 @@ async def test_inbox_exports_its_table_dead_tuples_and_last_vacuum(effects, rabb
 
 def test_schema_sets_queue_table_autovacuum_settings(engine):
     for table in ("outbox", "inbox"):
-        [(options,)] = rows(engine, "SELECT reloptions FROM pg_class WHERE oid = "
-                                    "CAST(:t AS regclass)", t=table)
-        assert {"autovacuum_vacuum_scale_factor=0.02", "autovacuum_vacuum_threshold=10000",
-                "autovacuum_vacuum_cost_limit=2000"} <= set(options)
+        [(options,)] = rows(
+            engine, "SELECT reloptions FROM pg_class WHERE oid = CAST(:t AS regclass)", t=table
+        )
+        assert {
+            "autovacuum_vacuum_scale_factor=0.02",
+            "autovacuum_vacuum_threshold=10000",
+            "autovacuum_vacuum_cost_limit=2000",
+        } <= set(options)
 
 
 def test_pending_index_holds_the_share_and_no_finished_row(engine):
     """The claim passes over other workers' rows in the index: the pending
     index carries the share's hash, and only pending rows."""
-    defs = dict(rows(engine, "SELECT indexname, indexdef FROM pg_indexes "
-                             "WHERE tablename IN ('outbox', 'inbox')"))
+    defs = dict(
+        rows(
+            engine,
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename IN ('outbox', 'inbox')",
+        )
+    )
     assert "outbox_pending_seq" not in defs and "inbox_pending_seq" not in defs
-    for name, column in (("outbox_pending_share", "(id)::text"),
-                         ("inbox_pending_share", "message_id")):
+    for name, column in (
+        ("outbox_pending_share", "(id)::text"),
+        ("inbox_pending_share", "message_id"),
+    ):
         assert f"hashtext(COALESCE(key, {column}))" in defs[name]
         assert "WHERE (status = 'pending'::text)" in defs[name]
 
@@ -106,10 +122,13 @@ async def test_inbox_marks_leave_no_multixact_row_versions(effects, rabbit, inbo
         await rabbit.publish("b.x", orjson.dumps({"n": n}), message_id=f"m-{n}", type="Effect")
     wait_until(metric_is(port, "relay_inbox_processed_total", 8.0), timeout=30)
     rows(effects, "CREATE EXTENSION IF NOT EXISTS pageinspect")
-    versions = rows(effects, """
+    versions = rows(
+        effects,
+        """
         SELECT t_infomask FROM generate_series(0, pg_relation_size('inbox') / 8192 - 1) AS p,
              heap_page_items(get_raw_page('inbox', p::int))
-        WHERE t_xmax <> 0""")
+        WHERE t_xmax <> 0""",
+    )
     updated = [m for (m,) in versions if not m & HEAP_XMAX_LOCK_ONLY]
     assert len(updated) == 8  # every processed row left its pending version
     assert [m for m in updated if m & HEAP_XMAX_IS_MULTI] == []

@@ -30,8 +30,13 @@ from tests.conftest import REPO
 QUERIES = REPO / "relay" / "db" / "queries"
 
 # The only modules of relay that may import SQLAlchemy or psycopg themselves.
-DATABASE_MODULES = {"relay/db", "relay/producer.py", "relay/testing.py", "relay/handlers.py",
-                    "relay/config.py"}
+DATABASE_MODULES = {
+    "relay/db",
+    "relay/producer.py",
+    "relay/testing.py",
+    "relay/handlers.py",
+    "relay/config.py",
+}
 
 
 # -- the named queries ---------------------------------------------------------
@@ -39,8 +44,11 @@ DATABASE_MODULES = {"relay/db", "relay/producer.py", "relay/testing.py", "relay/
 
 def test_every_query_file_is_read_and_each_name_is_unique():
     names = sql.names()
-    declared = re.findall(r"^-- name: (\w+)$", "\n".join(
-        p.read_text() for p in sorted(QUERIES.glob("*.sql"))), re.MULTILINE)
+    declared = re.findall(
+        r"^-- name: (\w+)$",
+        "\n".join(p.read_text() for p in sorted(QUERIES.glob("*.sql"))),
+        re.MULTILINE,
+    )
     assert sorted(declared) == names
     for name in ("outbox_claim", "inbox_claim", "inbox_insert", "outbox_mark_published"):
         assert sql.query(name)
@@ -62,9 +70,11 @@ def test_placeholders_convert_for_psycopg_and_prepare():
     text = "SELECT x::text FROM t WHERE a = :a AND b = CAST(:b AS int) AND c LIKE 'x%'"
     assert sql.parameters(text) == ["a", "b"]
     assert sql.pyformat(text) == (
-        "SELECT x::text FROM t WHERE a = %(a)s AND b = CAST(%(b)s AS int) AND c LIKE 'x%%'")
+        "SELECT x::text FROM t WHERE a = %(a)s AND b = CAST(%(b)s AS int) AND c LIKE 'x%%'"
+    )
     assert sql.numbered(text, ["b", "a"]) == (
-        "SELECT x::text FROM t WHERE a = $2 AND b = CAST($1 AS int) AND c LIKE 'x%'")
+        "SELECT x::text FROM t WHERE a = $2 AND b = CAST($1 AS int) AND c LIKE 'x%'"
+    )
     with pytest.raises(ValueError, match=":a"):
         sql.numbered(text, ["b"])
 
@@ -88,12 +98,17 @@ def test_claims_fill_the_on_dead_slot():
 async def test_every_plain_query_prepares_on_the_real_schema(database):
     """Each named query without a template slot is valid SQL for the schema."""
     async with await psycopg.AsyncConnection.connect(
-            database.replace("+psycopg", ""), autocommit=True) as conn:
+        database.replace("+psycopg", ""), autocommit=True
+    ) as conn:
         await conn.execute(sql.query("demo_create_table"))  # `relay demo`'s table
         for name in sql.names():
             text = sql.query(name)
-            if "{" in text or not text or ";" in text or not re.match(
-                    r"\s*(SELECT|WITH|UPDATE|INSERT|DELETE)", text):
+            if (
+                "{" in text
+                or not text
+                or ";" in text
+                or not re.match(r"\s*(SELECT|WITH|UPDATE|INSERT|DELETE)", text)
+            ):
                 continue
             numbered = sql.numbered(text, sql.parameters(text))
             await conn.execute(f"PREPARE relay_check AS {numbered}")
@@ -104,8 +119,10 @@ async def test_every_plain_query_prepares_on_the_real_schema(database):
 
 
 def test_a_lost_connection_becomes_database_unavailable():
-    with pytest.raises(DatabaseUnavailable, match="OperationalError: gone") as caught, \
-            translate_errors():
+    with (
+        pytest.raises(DatabaseUnavailable, match="OperationalError: gone") as caught,
+        translate_errors(),
+    ):
         raise psycopg.OperationalError("gone\nmore")
     assert isinstance(caught.value.__cause__, psycopg.OperationalError)
     with pytest.raises(DatabaseUnavailable), translate_errors():
@@ -114,17 +131,18 @@ def test_a_lost_connection_becomes_database_unavailable():
 
 def test_sqlalchemy_errors_of_a_lost_connection_become_database_unavailable():
     lost = sa_exc.OperationalError("SELECT 1", {}, psycopg.OperationalError("closed"))
-    with pytest.raises(DatabaseUnavailable, match="OperationalError: closed"), \
-            translate_errors():
+    with pytest.raises(DatabaseUnavailable, match="OperationalError: closed"), translate_errors():
         raise lost
-    invalidated = sa_exc.DBAPIError("SELECT 1", {}, Exception("x"),
-                                    connection_invalidated=True)
+    invalidated = sa_exc.DBAPIError("SELECT 1", {}, Exception("x"), connection_invalidated=True)
     assert unavailable(invalidated) is not None
 
 
 def test_other_errors_pass_unchanged():
-    for error in (psycopg.errors.UniqueViolation("dup"), ValueError("bad"),
-                  sa_exc.IntegrityError("INSERT", {}, psycopg.errors.UniqueViolation("dup"))):
+    for error in (
+        psycopg.errors.UniqueViolation("dup"),
+        ValueError("bad"),
+        sa_exc.IntegrityError("INSERT", {}, psycopg.errors.UniqueViolation("dup")),
+    ):
         with pytest.raises(type(error)), translate_errors():
             raise error
     assert unavailable(DatabaseUnavailable("already")) is None
@@ -141,8 +159,7 @@ def test_a_failed_savepoint_command_is_lost_only_with_its_connection():
     lost = failed_command("SAVEPOINT x", "server closed the connection\n", connection_bad=True)
     assert isinstance(lost, DatabaseUnavailable)
     assert str(lost) == "OperationalError: server closed the connection"
-    failed = failed_command("SAVEPOINT x", "current transaction is aborted",
-                            connection_bad=False)
+    failed = failed_command("SAVEPOINT x", "current transaction is aborted", connection_bad=False)
     assert isinstance(failed, psycopg.DatabaseError)
     assert str(failed) == "SAVEPOINT x: current transaction is aborted"
 
@@ -199,8 +216,9 @@ loaded = sorted(m for m in sys.modules if m.split(".")[0] == "sqlalchemy")
 assert not loaded, loaded
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -212,7 +230,9 @@ print("ok")
 def test_query_files_ship_in_the_wheel_and_are_found_there(tmp_path):
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True)
+        capture_output=True,
+        text=True,
+    )
     if built.returncode != 0:
         pytest.skip(f"cannot build a wheel here: {built.stderr[-300:]}")
     wheel = next(tmp_path.glob("relay-*.whl"))
@@ -229,7 +249,8 @@ def test_query_files_ship_in_the_wheel_and_are_found_there(tmp_path):
     )
     # From elsewhere than the checkout, with the unpacked wheel first on the path.
     command = f"import sys; sys.path.insert(0, {str(installed)!r}); {script}"
-    result = subprocess.run([sys.executable, "-c", command],
-                            capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", command], capture_output=True, text=True, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) == len(sql.names())

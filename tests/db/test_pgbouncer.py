@@ -85,8 +85,9 @@ def pooled(database: str, pgbouncer: PgBouncer) -> str:
 
 
 @pytest.fixture
-def relay_env(relay_env: dict[str, str], database: str, pooled: str,
-              pgbouncer: PgBouncer, tmp_path: Path) -> Iterator[dict[str, str]]:
+def relay_env(
+    relay_env: dict[str, str], database: str, pooled: str, pgbouncer: PgBouncer, tmp_path: Path
+) -> Iterator[dict[str, str]]:
     env = {**relay_env, "RELAY_DATABASE_URL": pooled}
     if pgbouncer.pool_mode == "transaction":
         env["RELAY_LISTEN_URL"] = database
@@ -111,8 +112,9 @@ async def test_worker_sessions_prepare_nothing_behind_a_pooler(engine, pooled):
                 [row], _ = await session.claim(1)
                 assert session.pooled
                 if n == 0:
-                    statuses = await session.finish([], [(row, Failure("nack"), 0.0)],
-                                                    max_attempts=100)
+                    statuses = await session.finish(
+                        [], [(row, Failure("nack"), 0.0)], max_attempts=100
+                    )
                     assert statuses == {row.id: "pending"}
                     continue
                 await session.finish([row.id])
@@ -123,7 +125,9 @@ async def test_worker_sessions_prepare_nothing_behind_a_pooler(engine, pooled):
         for session in sessions:
             await session.close()
     assert rows(engine, "SELECT status, count(*) FROM outbox GROUP BY 1 ORDER BY 1") == [
-        ("pending", 2), ("published", 4)]
+        ("pending", 2),
+        ("published", 4),
+    ]
 
 
 async def test_a_direct_connection_is_not_taken_for_a_pooler(engine, database):
@@ -161,8 +165,14 @@ async def test_without_listen_url_transaction_mode_warns_once_and_polls(
 ):
     assert pgbouncer.pool_mode == "transaction"
     queue = await rabbit.queue("poll")
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.5",
-                         env={"RELAY_LISTEN_URL": ""})
+    daemon = start_relay(
+        "outbox",
+        "--exchange",
+        rabbit.exchange,
+        "--poll-interval",
+        "0.5",
+        env={"RELAY_LISTEN_URL": ""},
+    )
     daemon.wait_for_log(LISTEN_WARNING, timeout=30)
     with engine.begin() as conn:
         relay.enqueue(conn, "poll", {"n": 1})
@@ -180,12 +190,16 @@ async def test_listen_url_self_check_passes_and_the_password_stays_hidden(
     queue = await rabbit.queue("woken")
     listen = database.replace("postgres@", "postgres:s3cret-pw@")  # trust ignores it
     env = {"RELAY_LISTEN_URL": listen} if pgbouncer.pool_mode == "transaction" else {}
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "60",
-                         env=env)
+    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "60", env=env)
     daemon.wait_for_log("outbox relay started")
-    wait_until(lambda: rows(engine, "SELECT 1 FROM pg_stat_activity WHERE datname = "
-                                    "current_database() AND query = 'LISTEN relay_outbox'"),
-               message="the LISTEN connection")
+    wait_until(
+        lambda: rows(
+            engine,
+            "SELECT 1 FROM pg_stat_activity WHERE datname = "
+            "current_database() AND query = 'LISTEN relay_outbox'",
+        ),
+        message="the LISTEN connection",
+    )
     with engine.begin() as conn:
         relay.enqueue(conn, "woken", {"n": 2})
     [message] = await rabbit.drain(queue, 1, timeout=10)  # the poll would take 60 s
@@ -212,15 +226,19 @@ async def test_server_connections_ended_behind_pgbouncer_lose_nothing_and_count_
     # reconnects and goes on; no row gains an attempt.
     queue = await rabbit.queue("cut.#")
     insert_outbox(engine, 5000, topic="cut.x", keys=20)
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--batch-size", "50",
-                         "--poll-interval", "0.5")
+    daemon = start_relay(
+        "outbox", "--exchange", rabbit.exchange, "--batch-size", "50", "--poll-interval", "0.5"
+    )
 
     def published() -> int:
         return int(rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'")[0][0])
 
     wait_until(lambda: published() > 200, message="relay publishing")
-    ended = rows(engine, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                         "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    ended = rows(
+        engine,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
     assert ended[0][0] > 0
     wait_until(lambda: published() == 5000, timeout=60, message="all published")
     assert rows(engine, "SELECT count(*) FROM outbox WHERE attempts > 0") == [(0,)]

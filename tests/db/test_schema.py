@@ -27,12 +27,17 @@ def _env(database_url: str | None) -> dict[str, str]:
     return env
 
 
-def relay_cli(*args: str, database_url: str | None = None,
-              timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def relay_cli(
+    *args: str, database_url: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """`relay ARGS` with only the given RELAY_DATABASE_URL (none at all when None)."""
     return subprocess.run(
-        [*RELAY, *args], env=_env(database_url), capture_output=True, text=True,
-        timeout=timeout, cwd=REPO,
+        [*RELAY, *args],
+        env=_env(database_url),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
     )
 
 
@@ -46,8 +51,9 @@ def other_empty_database() -> Iterator[str]:
     """A second database without the relay schema; its URL."""
     _require(PG_HOST, PG_PORT, "PostgreSQL")
     name = f"relay_e2_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres",
-                         autocommit=True) as conn:
+    with psycopg.connect(
+        host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres", autocommit=True
+    ) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     try:
         yield pg_url(name)
@@ -58,7 +64,8 @@ def other_empty_database() -> Iterator[str]:
 def versions(url: str) -> list[tuple[int, str]]:
     with psycopg.connect(libpq(url)) as conn:
         return conn.execute(
-            "SELECT version, name FROM relay_schema_version ORDER BY version").fetchall()
+            "SELECT version, name FROM relay_schema_version ORDER BY version"
+        ).fetchall()
 
 
 def expected_versions() -> list[tuple[int, str]]:
@@ -81,16 +88,22 @@ def test_apply_creates_the_tables_then_is_idempotent(empty_database):
     assert second.stdout.strip() == "schema is up to date"
     assert versions(empty_database) == expected_versions()
     with psycopg.connect(libpq(empty_database)) as conn:
-        tables = {r[0] for r in conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+        tables = {
+            r[0]
+            for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        }
     assert {"outbox", "inbox", "relay_schema_version"} <= tables
 
 
 def test_three_concurrent_applies_all_succeed_once(empty_database):
     procs = [
         subprocess.Popen(
-            [*RELAY, "schema", "apply"], env=_env(empty_database), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd=REPO,
+            [*RELAY, "schema", "apply"],
+            env=_env(empty_database),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
         )
         for _ in range(3)
     ]
@@ -141,8 +154,10 @@ def test_applies_released_at_the_same_instant_serialise(empty_database):
 def test_apply_refuses_a_newer_schema(database):
     newer = schema.latest_version() + 1
     with psycopg.connect(libpq(database)) as conn:
-        conn.execute("INSERT INTO relay_schema_version (version, name) VALUES (%s, %s)",
-                     (newer, f"{newer:03d}_from_the_future"))
+        conn.execute(
+            "INSERT INTO relay_schema_version (version, name) VALUES (%s, %s)",
+            (newer, f"{newer:03d}_from_the_future"),
+        )
     result = relay_cli("schema", "apply", database_url=database)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "newer than this relay" in result.stderr
@@ -214,10 +229,21 @@ CONTRACT_INBOX = {
 CONTRACT_PKS = {"outbox": ["id"], "inbox": ["consumer", "message_id"]}
 # Defaults the contract names: the reflected default text contains this.
 CONTRACT_DEFAULTS = {
-    "outbox": {"id": "gen_random_uuid()", "headers": "'{}'", "created_at": "now()",
-               "available_at": "now()", "status": "'pending'", "attempts": "0"},
-    "inbox": {"headers": "'{}'", "received_at": "now()", "available_at": "now()",
-              "status": "'pending'", "attempts": "0"},
+    "outbox": {
+        "id": "gen_random_uuid()",
+        "headers": "'{}'",
+        "created_at": "now()",
+        "available_at": "now()",
+        "status": "'pending'",
+        "attempts": "0",
+    },
+    "inbox": {
+        "headers": "'{}'",
+        "received_at": "now()",
+        "available_at": "now()",
+        "status": "'pending'",
+        "attempts": "0",
+    },
 }
 
 
@@ -247,8 +273,9 @@ def test_core_table_matches_the_database_and_the_contract(engine, table, contrac
 
     for name, (kind, nullable) in contract.items():
         assert name in reflected, f"{table.name}.{name} is missing"
-        assert (family(reflected[name]["type"]), reflected[name]["nullable"]) == (
-            kind, nullable), name
+        assert (family(reflected[name]["type"]), reflected[name]["nullable"]) == (kind, nullable), (
+            name
+        )
     for name, default in CONTRACT_DEFAULTS[table.name].items():
         assert default in (reflected[name]["default"] or ""), (name, reflected[name]["default"])
     if table.name == "outbox":
@@ -257,11 +284,13 @@ def test_core_table_matches_the_database_and_the_contract(engine, table, contrac
 
 def test_check_constraints_reject_an_unknown_status(engine):
     with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO outbox (topic, payload, status) VALUES ('t', '{}', 'sent')"))
+        conn.execute(
+            sa.text("INSERT INTO outbox (topic, payload, status) VALUES ('t', '{}', 'sent')")
+        )
     with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO inbox (consumer, message_id, status) VALUES ('c', 'm', 'done')"))
+        conn.execute(
+            sa.text("INSERT INTO inbox (consumer, message_id, status) VALUES ('c', 'm', 'done')")
+        )
 
 
 # --------------------------------------------------------------------------
@@ -306,7 +335,10 @@ def run_script(url: str, script: str) -> None:
     if shutil.which("psql"):
         result = subprocess.run(
             ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", libpq(url), "-f", "-"],
-            input=script, capture_output=True, text=True, timeout=60,
+            input=script,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 0, result.stderr
     else:  # the simple query protocol runs a multi-statement script as is
@@ -326,7 +358,10 @@ def test_schema_sql_needs_no_database_and_matches_apply(empty_database, other_em
     by_script, by_apply = catalog(empty_database), catalog(other_empty_database)
     assert by_script["columns"] and by_script["indexes"] and by_script["triggers"]
     assert {t[1] for t in by_script["triggers"]} >= {
-        "outbox_notify", "inbox_notify", "outbox_order_key"}
+        "outbox_notify",
+        "inbox_notify",
+        "outbox_order_key",
+    }
     for part in by_apply:
         assert by_script[part] == by_apply[part], part
 
@@ -356,8 +391,10 @@ def test_schema_sql_run_twice_is_harmless(empty_database):
     ids=["outbox", "inbox"],
 )
 def test_insert_notifies_listeners_at_commit(database, channel, insert):
-    with psycopg.connect(libpq(database), autocommit=True) as listener, \
-            psycopg.connect(libpq(database)) as writer:
+    with (
+        psycopg.connect(libpq(database), autocommit=True) as listener,
+        psycopg.connect(libpq(database)) as writer,
+    ):
         listener.execute(f"LISTEN {channel}")
         writer.execute(insert)
         writer.execute(insert.replace("'m1'", "'m2'"))
@@ -371,8 +408,10 @@ def test_insert_notifies_listeners_at_commit(database, channel, insert):
 
 
 def test_rolled_back_insert_does_not_notify(database):
-    with psycopg.connect(libpq(database), autocommit=True) as listener, \
-            psycopg.connect(libpq(database)) as writer:
+    with (
+        psycopg.connect(libpq(database), autocommit=True) as listener,
+        psycopg.connect(libpq(database)) as writer,
+    ):
         listener.execute("LISTEN relay_outbox")
         writer.execute("INSERT INTO outbox (topic, payload) VALUES ('t', '{}')")
         writer.rollback()
@@ -405,8 +444,11 @@ def test_same_key_insert_waits_for_the_open_transaction(database):
 
 def test_same_key_seq_is_drawn_after_the_earlier_transaction_commits(database):
     url = libpq(database)
-    with psycopg.connect(url) as first, psycopg.connect(url) as second, \
-            psycopg.connect(url, autocommit=True) as other:
+    with (
+        psycopg.connect(url) as first,
+        psycopg.connect(url) as second,
+        psycopg.connect(url, autocommit=True) as other,
+    ):
         first_seq = insert_keyed(first, "order-1")
 
         result: dict[str, Any] = {}
@@ -439,5 +481,6 @@ def test_same_key_seq_is_drawn_after_the_earlier_transaction_commits(database):
 
     with psycopg.connect(url) as conn:
         ordered = conn.execute(
-            "SELECT seq FROM outbox WHERE key = 'order-1' ORDER BY seq").fetchall()
+            "SELECT seq FROM outbox WHERE key = 'order-1' ORDER BY seq"
+        ).fetchall()
     assert [r[0] for r in ordered] == [first_seq, result["seq"]]

@@ -92,8 +92,7 @@ class SqsCollector:
         while self.distinct() < count:
             if time.monotonic() > deadline:
                 self.stop()
-                raise AssertionError(f"got {self.distinct()} of {count} messages "
-                                     f"in {timeout}s")
+                raise AssertionError(f"got {self.distinct()} of {count} messages in {timeout}s")
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.5)  # duplicates still on their way
         self.stop()
@@ -140,18 +139,25 @@ class AmqpBroker:
         await self.rabbit.queue("#", name=name)  # bound now: nothing sent early is lost
         return name, ["--queue", name, "--exchange", self.exchange, "--bind", "#"]
 
-    async def send(self, queue: str, body: bytes, *, message_id: str | None = None,
-                   type: str | None = None, key: str | None = None,
-                   headers: dict[str, str] | None = None) -> None:
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         properties: dict[str, Any] = {"headers": dict(headers or {})}
         if key is not None:
             properties["headers"]["x-relay-key"] = key
         if message_id is None:
             await self.rabbit.publish_without_message_id(
-                queue, body, message_type=type, headers=properties["headers"])
+                queue, body, message_type=type, headers=properties["headers"]
+            )
         else:
-            await self.rabbit.publish(queue, body, message_id=message_id, type=type,
-                                      **properties)
+            await self.rabbit.publish(queue, body, message_id=message_id, type=type, **properties)
 
     async def send_many(self, queue: str, messages: list[tuple[bytes, str]], type: str) -> None:
         for body, message_id in messages:
@@ -165,7 +171,6 @@ class AmqpBroker:
 
     def check_ordered_wire(self, message: Received, topic: str) -> None:
         pass  # RabbitMQ keeps one queue's order; nothing more on the wire
-
 
 
 class SqsBroker:
@@ -195,8 +200,14 @@ class SqsBroker:
             return attrs[name]["StringValue"] if name in attrs else None
 
         headers = orjson.loads(text("headers")) if "headers" in attrs else {}
-        return Received(message["Body"].encode(), text("message_id"), text("type"), text("key"),
-                        headers, message)
+        return Received(
+            message["Body"].encode(),
+            text("message_id"),
+            text("type"),
+            text("key"),
+            headers,
+            message,
+        )
 
     async def read(self, dest: str, count: int, timeout: float = 30) -> list[Received]:
         got: list[Received] = []
@@ -223,26 +234,49 @@ class SqsBroker:
         self.sqs.create(name, VisibilityTimeout=5)
         return name, ["--queue", name]
 
-    async def send(self, queue: str, body: bytes, *, message_id: str | None = None,
-                   type: str | None = None, key: str | None = None,
-                   headers: dict[str, str] | None = None) -> None:
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         attributes = {}
-        for name, value in (("message_id", message_id), ("type", type), ("key", key),
-                            ("headers", orjson.dumps(headers).decode() if headers else None)):
+        for name, value in (
+            ("message_id", message_id),
+            ("type", type),
+            ("key", key),
+            ("headers", orjson.dumps(headers).decode() if headers else None),
+        ):
             if value is not None:
                 attributes[name] = {"DataType": "String", "StringValue": value}
         await asyncio.to_thread(
-            self.sqs.client.send_message, QueueUrl=self.sqs.urls[queue],
-            MessageBody=body.decode(), MessageAttributes=attributes)
+            self.sqs.client.send_message,
+            QueueUrl=self.sqs.urls[queue],
+            MessageBody=body.decode(),
+            MessageAttributes=attributes,
+        )
 
     async def send_many(self, queue: str, messages: list[tuple[bytes, str]], type: str) -> None:
         for start in range(0, len(messages), 10):
             await asyncio.to_thread(
-                self.sqs.client.send_message_batch, QueueUrl=self.sqs.urls[queue],
-                Entries=[{"Id": str(i), "MessageBody": body.decode(), "MessageAttributes": {
-                    "message_id": {"DataType": "String", "StringValue": message_id},
-                    "type": {"DataType": "String", "StringValue": type}}}
-                    for i, (body, message_id) in enumerate(messages[start:start + 10])])
+                self.sqs.client.send_message_batch,
+                QueueUrl=self.sqs.urls[queue],
+                Entries=[
+                    {
+                        "Id": str(i),
+                        "MessageBody": body.decode(),
+                        "MessageAttributes": {
+                            "message_id": {"DataType": "String", "StringValue": message_id},
+                            "type": {"DataType": "String", "StringValue": type},
+                        },
+                    }
+                    for i, (body, message_id) in enumerate(messages[start : start + 10])
+                ],
+            )
 
     async def queued(self, queue: str) -> int:
         return await asyncio.to_thread(self.sqs.count, queue)
@@ -251,7 +285,6 @@ class SqsBroker:
         system = message.raw["Attributes"]
         assert system["MessageGroupId"] == (message.key or topic)
         assert system["MessageDeduplicationId"] == message.message_id
-
 
 
 @pytest.fixture(params=["amqp", "sqs"])
@@ -286,9 +319,19 @@ def inbox(broker, start_relay):
 
     async def start(*extra: str):
         await queue()
-        proc = start_relay("inbox", *state["args"], "--handlers", HANDLERS,
-                           "--poll-interval", "0.5", "--backoff-min", "0.2",
-                           "--backoff-max", "0.5", *extra)
+        proc = start_relay(
+            "inbox",
+            *state["args"],
+            "--handlers",
+            HANDLERS,
+            "--poll-interval",
+            "0.5",
+            "--backoff-min",
+            "0.2",
+            "--backoff-max",
+            "0.5",
+            *extra,
+        )
         proc.wait_for_log("inbox started")
         return proc
 
@@ -322,8 +365,10 @@ async def test_per_key_order_holds_with_three_relays(engine, broker, start_relay
     topic = broker.topic("ordered", ordered=True)
     dest = await broker.destination(topic)
     collector = await broker.collect(dest, ordered=True)
-    relays = [start_relay("outbox", *broker.outbox_args, "--batch-size", "40",
-                          "--poll-interval", "0.2") for _ in range(3)]
+    relays = [
+        start_relay("outbox", *broker.outbox_args, "--batch-size", "40", "--poll-interval", "0.2")
+        for _ in range(3)
+    ]
     for proc in relays:
         proc.wait_for_log("outbox relay started")
     # Committed in many small transactions while the relays run.
@@ -354,14 +399,16 @@ async def test_kill_9_of_the_outbox_mid_stream_loses_nothing(engine, broker, sta
     total = broker.bulk
     insert_outbox(engine, total, topic=topic, keys=50)
     first = start_relay("outbox", *broker.outbox_args, "--batch-size", "100")
-    wait_until(lambda: published_count(engine) > total // 10, timeout=30,
-               message="first relay publishing")
+    wait_until(
+        lambda: published_count(engine) > total // 10, timeout=30, message="first relay publishing"
+    )
     first.signal(signal.SIGKILL)
     first.wait()
     assert published_count(engine) < total, "the kill came too late to prove anything"
     second = start_relay("outbox", *broker.outbox_args, "--poll-interval", "0.5")
-    wait_until(lambda: published_count(engine) == total, timeout=90,
-               message="all published after restart")
+    wait_until(
+        lambda: published_count(engine) == total, timeout=90, message="all published after restart"
+    )
     ids = [m.message_id for m in await collector.wait(total, timeout=60)]
     assert set(ids) == {str(r[0]) for r in rows(engine, "SELECT id FROM outbox")}
     # Duplicates are bounded by what was in flight when killed: a batch per worker.
@@ -373,8 +420,9 @@ async def test_kill_9_of_the_outbox_mid_stream_loses_nothing(engine, broker, sta
 async def test_unreachable_broker_is_retried_and_counts_no_attempt(engine, broker, start_relay):
     with engine.begin() as conn:
         relay.enqueue(conn, broker.topic("x"), {})
-    daemon = start_relay("outbox", *broker.outbox_args,
-                         env={"RELAY_BROKER_URL": broker.unreachable_url})
+    daemon = start_relay(
+        "outbox", *broker.outbox_args, env={"RELAY_BROKER_URL": broker.unreachable_url}
+    )
     daemon.wait_for_log("retrying in", timeout=30)
     time.sleep(1)
     assert daemon.proc.poll() is None
@@ -389,13 +437,12 @@ async def test_unreachable_broker_is_retried_and_counts_no_attempt(engine, broke
 # --------------------------------------------------------------------------
 
 
-async def test_kill_9_of_the_inbox_mid_stream_loses_and_duplicates_nothing(
-    effects, broker, inbox
-):
+async def test_kill_9_of_the_inbox_mid_stream_loses_and_duplicates_nothing(effects, broker, inbox):
     queue = await inbox.queue()
     total = broker.bulk // 2
     await broker.send_many(
-        queue, [(orjson.dumps({"n": n}), f"k-{n}") for n in range(total)], type="Effect")
+        queue, [(orjson.dumps({"n": n}), f"k-{n}") for n in range(total)], type="Effect"
+    )
     first = await inbox("--batch-size", "20")
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) > total // 10, timeout=30)
     first.signal(signal.SIGKILL)
@@ -407,5 +454,6 @@ async def test_kill_9_of_the_inbox_mid_stream_loses_and_duplicates_nothing(
     ids = effect_ids(effects)
     assert len(ids) == total and len(set(ids)) == total
     assert rows(effects, "SELECT status, count(*) FROM inbox GROUP BY status") == [
-        ("processed", total)]
+        ("processed", total)
+    ]
     await wait_drained(broker, queue, timeout=30)

@@ -56,9 +56,15 @@ _INSERT = "INSERT INTO outbox (topic, key, payload) VALUES ('co.x', %s, %s)"
 
 
 def _waiting_on_the_key(engine) -> bool:
-    return rows(engine, "SELECT count(*) FROM pg_locks l JOIN pg_database d "
-                        "ON d.oid = l.database WHERE l.locktype = 'advisory' "
-                        "AND NOT l.granted AND d.datname = current_database()")[0][0] > 0
+    return (
+        rows(
+            engine,
+            "SELECT count(*) FROM pg_locks l JOIN pg_database d "
+            "ON d.oid = l.database WHERE l.locktype = 'advisory' "
+            "AND NOT l.granted AND d.datname = current_database()",
+        )[0][0]
+        > 0
+    )
 
 
 class OpenTransactions:
@@ -144,7 +150,8 @@ async def test_other_keys_flow_while_a_key_waits_for_an_open_transaction(
             relay.enqueue(conn, "co.x", {"n": 200 + n})
     others = await rabbit.drain(queue, 40, timeout=30)
     assert sorted(orjson.loads(m.body)["n"] for m in others) == sorted(
-        [100 + n for n in range(20)] + [200 + n for n in range(20)])
+        [100 + n for n in range(20)] + [200 + n for n in range(20)]
+    )
     assert not tx.b_committed.is_set()
 
     tx.commit_a()
@@ -192,19 +199,28 @@ class Totals:
     problems: list[str] = field(default_factory=list)
 
     def line(self) -> str:
-        return (f"rounds {self.rounds}, faults injected {self.faults}, messages "
-                f"{self.messages}, lost {self.lost}, duplicate effects "
-                f"{self.duplicate_effects}, order violations {self.order_violations}, "
-                f"duplicates on the wire: {self.wire_duplicates} published again by the "
-                f"outbox, {self.redeliveries} received again by the inbox (all dropped by "
-                f"its dedup)")
+        return (
+            f"rounds {self.rounds}, faults injected {self.faults}, messages "
+            f"{self.messages}, lost {self.lost}, duplicate effects "
+            f"{self.duplicate_effects}, order violations {self.order_violations}, "
+            f"duplicates on the wire: {self.wire_duplicates} published again by the "
+            f"outbox, {self.redeliveries} received again by the inbox (all dropped by "
+            f"its dedup)"
+        )
 
 
 class Suite:
     """The daemons, their proxies, the producer and the checks of the rounds."""
 
-    def __init__(self, database: str, engine: sa.Engine, rabbit: Any, start_relay: Any,
-                 rng: random.Random, tap: Any) -> None:
+    def __init__(
+        self,
+        database: str,
+        engine: sa.Engine,
+        rabbit: Any,
+        start_relay: Any,
+        rng: random.Random,
+        tap: Any,
+    ) -> None:
         self.engine = engine
         self.tap = tap  # a queue that gets a copy of everything published
         self.tap_seen: dict[int, set[str]] = {}  # message ids per round
@@ -236,22 +252,52 @@ class Suite:
     # -- daemons -----------------------------------------------------------------
 
     def _env(self, proxy: Proxy) -> dict[str, str]:
-        return {"RELAY_DATABASE_URL": self.db_url,
-                "RELAY_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{proxy.port}/"}
+        return {
+            "RELAY_DATABASE_URL": self.db_url,
+            "RELAY_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{proxy.port}/",
+        }
 
     def start_outbox(self) -> RelayProcess:
         return self.start_relay(
-            "outbox", "--exchange", self.rabbit.exchange, "--batch-size", str(BATCH),
-            "--poll-interval", "0.2", "--backoff-min", "0.2", "--backoff-max", "1",
-            env=self._env(self.amqp_out))
+            "outbox",
+            "--exchange",
+            self.rabbit.exchange,
+            "--batch-size",
+            str(BATCH),
+            "--poll-interval",
+            "0.2",
+            "--backoff-min",
+            "0.2",
+            "--backoff-max",
+            "1",
+            env=self._env(self.amqp_out),
+        )
 
     def start_inbox(self) -> RelayProcess:
         proc = self.start_relay(
-            "inbox", "--queue", self.queue, "--exchange", self.rabbit.exchange,
-            "--bind", "fault.#", "--handlers", "tests.apps.handlers:registry",
-            "--batch-size", str(BATCH), "--prefetch", str(PREFETCH), "--poll-interval", "0.2",
-            "--backoff-min", "0.2", "--backoff-max", "1", "--http-port", str(free_port()),
-            env=self._env(self.amqp_in))
+            "inbox",
+            "--queue",
+            self.queue,
+            "--exchange",
+            self.rabbit.exchange,
+            "--bind",
+            "fault.#",
+            "--handlers",
+            "tests.apps.handlers:registry",
+            "--batch-size",
+            str(BATCH),
+            "--prefetch",
+            str(PREFETCH),
+            "--poll-interval",
+            "0.2",
+            "--backoff-min",
+            "0.2",
+            "--backoff-max",
+            "1",
+            "--http-port",
+            str(free_port()),
+            env=self._env(self.amqp_in),
+        )
         return proc
 
     def scrape_redeliveries(self, proc: RelayProcess) -> None:
@@ -278,7 +324,8 @@ class Suite:
             if proc.proc.poll() is not None:
                 self.totals.problems.append(
                     f"round {self.round}: relay {name} exited {proc.proc.returncode} on its own:"
-                    f"\n{proc.log[-3000:]}")
+                    f"\n{proc.log[-3000:]}"
+                )
                 setattr(self, name, getattr(self, f"start_{name}")())
 
     # -- a round -----------------------------------------------------------------
@@ -296,8 +343,7 @@ class Suite:
                     type_ = "Effect"
                     if slow and i % SLOW_EVERY == 0:
                         type_, payload["seconds"] = "Slow", SLOW_SECONDS
-                    relay.enqueue(conn, TOPIC, payload, key=f"r{round_}-k{i % keys}",
-                                  type=type_)
+                    relay.enqueue(conn, TOPIC, payload, key=f"r{round_}-k{i % keys}", type=type_)
                     i += 1
             time.sleep(rng.uniform(0, 0.03))
 
@@ -305,17 +351,20 @@ class Suite:
         return rows(self.engine, sql, p=f"r{self.round}-%")[0][0]
 
     def published(self) -> int:
-        return self.count("SELECT count(*) FROM outbox WHERE key LIKE :p "
-                          "AND status = 'published'")
+        return self.count("SELECT count(*) FROM outbox WHERE key LIKE :p AND status = 'published'")
 
     def handled(self) -> int:
         return self.count("SELECT count(DISTINCT message_id) FROM effects WHERE key LIKE :p")
 
     def publishing(self) -> int:
         """Published so far, or -1 while nothing is left to publish (idle)."""
-        done, waiting = rows(self.engine, "SELECT count(*) FILTER (WHERE status = 'published'), "
-                             "count(*) FILTER (WHERE status = 'pending') FROM outbox "
-                             "WHERE key LIKE :p", p=f"r{self.round}-%")[0]
+        done, waiting = rows(
+            self.engine,
+            "SELECT count(*) FILTER (WHERE status = 'published'), "
+            "count(*) FILTER (WHERE status = 'pending') FROM outbox "
+            "WHERE key LIKE :p",
+            p=f"r{self.round}-%",
+        )[0]
         return done if waiting else -1
 
     def handling(self) -> int:
@@ -354,9 +403,12 @@ class Suite:
             self.amqp_out.start()
             self.amqp_in.start()
         elif fault == "terminate_backends":
-            killed = rows(self.engine, "SELECT count(pg_terminate_backend(pid)) "
-                                       "FROM pg_stat_activity WHERE datname = current_database() "
-                                       "AND application_name = 'relay'")[0][0]
+            killed = rows(
+                self.engine,
+                "SELECT count(pg_terminate_backend(pid)) "
+                "FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = 'relay'",
+            )[0][0]
             if not killed:
                 self.totals.problems.append(f"round {self.round}: no relay backend to terminate")
         elif fault == "cut_database":
@@ -377,14 +429,18 @@ class Suite:
         # Inbox processes that ran in this round (a killed one and its successor).
         self.inboxes_in_round = 1 + (fault in ("slow_handler", "kill_inbox"))
         producer = threading.Thread(
-            target=self.produce, args=(round_, keys, fault == "slow_handler", rng.getrandbits(32)))
+            target=self.produce, args=(round_, keys, fault == "slow_handler", rng.getrandbits(32))
+        )
         producer.start()
         try:
             # Strike mid-stream: once a random share of the round is through
             # the side the fault hits.
             share = int(MESSAGES * rng.uniform(0.05, 0.6))
-            progress = self.handling if fault in ("kill_inbox", "cut_consume",
-                                                  "slow_handler") else self.publishing
+            progress = (
+                self.handling
+                if fault in ("kill_inbox", "cut_consume", "slow_handler")
+                else self.publishing
+            )
             await self.wait_for(progress, share, timeout=60)
             await self.inject(fault)
         finally:
@@ -403,9 +459,13 @@ class Suite:
     async def check(self, round_: int, fault: str, keys: int) -> None:
         t = self.totals
         p = f"r{round_}-%"
-        effects = rows(self.engine, "SELECT e.message_id, e.key, e.n, i.seq FROM effects e "
-                                    "LEFT JOIN inbox i USING (message_id) "
-                                    "WHERE e.key LIKE :p ORDER BY e.id", p=p)
+        effects = rows(
+            self.engine,
+            "SELECT e.message_id, e.key, e.n, i.seq FROM effects e "
+            "LEFT JOIN inbox i USING (message_id) "
+            "WHERE e.key LIKE :p ORDER BY e.id",
+            p=p,
+        )
         ids = [e[0] for e in effects]
         lost = MESSAGES - len(set(ids))
         duplicates = len(ids) - len(set(ids))
@@ -432,20 +492,30 @@ class Suite:
         t.order_violations += violations
         t.wire_duplicates += wire
         t.redeliveries += self.round_redeliveries
-        verdict = (f"round {round_:3d} {fault:18s} lost {lost} duplicate effects {duplicates} "
-                   f"order violations {violations} wire duplicates {wire} "
-                   f"redelivered {self.round_redeliveries}")
+        verdict = (
+            f"round {round_:3d} {fault:18s} lost {lost} duplicate effects {duplicates} "
+            f"order violations {violations} wire duplicates {wire} "
+            f"redelivered {self.round_redeliveries}"
+        )
         print(verdict, flush=True)
         # The inbox gets again what the outbox published twice, plus at most
         # its unacknowledged window: stored, and the ack lost with the link.
         redelivery_bound = wire + PREFETCH * self.inboxes_in_round
-        if lost or duplicates or violations or wire > bound or \
-                self.round_redeliveries > redelivery_bound:
-            t.problems.append(verdict + f" (bounds: wire {bound}, "
-                                        f"redelivered {redelivery_bound})")
-        stuck = rows(self.engine, "SELECT (SELECT count(*) FROM outbox WHERE key LIKE :p "
-                                  "AND status <> 'published'), (SELECT count(*) FROM inbox "
-                                  "WHERE key LIKE :p AND status <> 'processed')", p=p)[0]
+        if (
+            lost
+            or duplicates
+            or violations
+            or wire > bound
+            or self.round_redeliveries > redelivery_bound
+        ):
+            t.problems.append(verdict + f" (bounds: wire {bound}, redelivered {redelivery_bound})")
+        stuck = rows(
+            self.engine,
+            "SELECT (SELECT count(*) FROM outbox WHERE key LIKE :p "
+            "AND status <> 'published'), (SELECT count(*) FROM inbox "
+            "WHERE key LIKE :p AND status <> 'processed')",
+            p=p,
+        )[0]
         if any(stuck):
             t.problems.append(f"round {round_}: rows not finished (outbox, inbox): {stuck}")
 
@@ -455,21 +525,22 @@ class Suite:
         while True:
             message = await self.tap.get(no_ack=True, fail=False)
             if message is None:
-                if len(self.tap_seen.get(round_, set())) >= MESSAGES or \
-                        time.monotonic() > deadline:
+                if len(self.tap_seen.get(round_, set())) >= MESSAGES or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
                 continue
             key = (message.headers or {}).get("x-relay-key", "")
             # Late copies of an earlier round count for their own round.
-            of = int(key[1:key.index("-")]) if key.startswith("r") and "-" in key else -1
+            of = int(key[1 : key.index("-")]) if key.startswith("r") and "-" in key else -1
             seen = self.tap_seen.setdefault(of, set())
             if message.message_id in seen:
                 self.tap_copies[of] = self.tap_copies.get(of, 0) + 1
             seen.add(message.message_id)
         if len(self.tap_seen.get(round_, set())) < MESSAGES:
-            self.totals.problems.append(f"round {round_}: the wire tap saw only "
-                                        f"{len(self.tap_seen.get(round_, set()))} messages")
+            self.totals.problems.append(
+                f"round {round_}: the wire tap saw only "
+                f"{len(self.tap_seen.get(round_, set()))} messages"
+            )
         return self.tap_copies.get(round_, 0)
 
 
@@ -478,8 +549,11 @@ async def test_fault_rounds_lose_nothing_and_duplicate_no_effect(
     database, engine, rabbit, start_relay
 ):
     seed = int(os.environ.get("RELAY_FAULT_SEED") or random.SystemRandom().randrange(2**32))
-    print(f"\nfault suite: seed {seed}, {ROUNDS} rounds of {MESSAGES} messages "
-          f"(RELAY_FAULT_SEED={seed} replays it)", flush=True)
+    print(
+        f"\nfault suite: seed {seed}, {ROUNDS} rounds of {MESSAGES} messages "
+        f"(RELAY_FAULT_SEED={seed} replays it)",
+        flush=True,
+    )
     rng = random.Random(seed)
     rows(engine, EFFECTS_DDL)
     suite = Suite(database, engine, rabbit, start_relay, rng, await rabbit.queue("fault.#"))

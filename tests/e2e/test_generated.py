@@ -40,8 +40,12 @@ pytestmark = pytest.mark.timeout(3600 if LONG else 300)
 
 def profile(short: int) -> settings:
     return settings(
-        max_examples=LONG or short, deadline=None, derandomize=not LONG,
-        suppress_health_check=list(HealthCheck), database=None, print_blob=True,
+        max_examples=LONG or short,
+        deadline=None,
+        derandomize=not LONG,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        print_blob=True,
         # Each example costs a round trip through real servers: report a
         # failing one as drawn rather than spend many minutes shrinking it.
         phases=(Phase.explicit, Phase.reuse, Phase.generate),
@@ -56,9 +60,15 @@ def profile(short: int) -> settings:
 # not be UTF-8.
 raw_strings = st.one_of(st.text(max_size=24), st.binary(max_size=24))
 
-_ints = {"b": (-2**7, 2**7 - 1), "B": (0, 2**8 - 1), "s": (-2**15, 2**15 - 1),
-         "u": (0, 2**16 - 1), "I": (-2**31, 2**31 - 1), "i": (0, 2**32 - 1),
-         "l": (-2**63, 2**63 - 1)}
+_ints = {
+    "b": (-(2**7), 2**7 - 1),
+    "B": (0, 2**8 - 1),
+    "s": (-(2**15), 2**15 - 1),
+    "u": (0, 2**16 - 1),
+    "I": (-(2**31), 2**31 - 1),
+    "i": (0, 2**32 - 1),
+    "l": (-(2**63), 2**63 - 1),
+}
 field_scalars = st.one_of(
     st.tuples(st.just("S"), raw_strings),
     st.tuples(st.just("x"), st.binary(max_size=24)),
@@ -66,7 +76,7 @@ field_scalars = st.one_of(
     *(st.tuples(st.just(kind), st.integers(lo, hi)) for kind, (lo, hi) in _ints.items()),
     st.tuples(st.just("f"), st.floats(width=32)),
     st.tuples(st.just("d"), st.floats()),
-    st.tuples(st.just("D"), st.tuples(st.integers(0, 255), st.integers(-2**31, 2**31 - 1))),
+    st.tuples(st.just("D"), st.tuples(st.integers(0, 255), st.integers(-(2**31), 2**31 - 1))),
     st.tuples(st.just("T"), st.integers(0, 2**64 - 1)),
     st.tuples(st.just("V"), st.none()),
 )
@@ -84,14 +94,19 @@ header_tables = st.one_of(
     # Nested past anything a list of leaves reaches.
     st.integers(1, 400).map(lambda depth: {"deep": amqp_raw.deep_table_value(depth)}),
 )
-relay_keys = st.one_of(
-    st.none(), raw_strings, st.integers(900, 10_000).map(lambda n: "k" * n))
+relay_keys = st.one_of(st.none(), raw_strings, st.integers(900, 10_000).map(lambda n: "k" * n))
 
 json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False,
-              allow_infinity=False), st.text(max_size=20)),
-    lambda children: st.one_of(st.lists(children, max_size=4),
-                               st.dictionaries(st.text(max_size=8), children, max_size=4)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=20),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=15,
 )
 
@@ -104,7 +119,8 @@ bodies = st.one_of(
     st.binary(max_size=64),
     json_values.map(_json_text),
     st.tuples(st.integers(1, 1500), json_values).map(
-        lambda d: b"[" * d[0] + _json_text(d[1]) + b"]" * d[0]),
+        lambda d: b"[" * d[0] + _json_text(d[1]) + b"]" * d[0]
+    ),
     st.integers(2**64, 2**200).map(lambda n: b'{"big": ' + str(n).encode() + b"}"),
 )
 
@@ -115,17 +131,22 @@ bodies = st.one_of(
 
 
 def _between(engine, consumer: str, before: str, after: str) -> list[Any]:
-    return rows(engine, """
+    return rows(
+        engine,
+        """
         SELECT message_id, status, last_error FROM inbox
         WHERE consumer = :c
           AND seq > (SELECT seq FROM inbox WHERE consumer = :c AND message_id = :b)
           AND seq < (SELECT seq FROM inbox WHERE consumer = :c AND message_id = :a)
-        ORDER BY seq""", c=consumer, b=before, a=after)
+        ORDER BY seq""",
+        c=consumer,
+        b=before,
+        a=after,
+    )
 
 
 def _handled(engine, *ids: str) -> bool:
-    found = rows(engine, "SELECT count(*) FROM effects WHERE message_id = ANY(:ids)",
-                 ids=list(ids))
+    found = rows(engine, "SELECT count(*) FROM effects WHERE message_id = ANY(:ids)", ids=list(ids))
     return found[0][0] == len(ids)
 
 
@@ -167,19 +188,31 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
     await connect()
 
     async def canary(name: str) -> None:
-        await amqp_raw.publish(producer["channel"], rabbit.exchange, "canary", b"{}",
-                               message_id=name, type="Effect")
+        await amqp_raw.publish(
+            producer["channel"], rabbit.exchange, "canary", b"{}", message_id=name, type="Effect"
+        )
 
     @profile(short=40)
     # Half the examples name a type with a handler, so they reach it.
-    @given(message_id=st.one_of(st.none(), raw_strings),
-           type_=st.one_of(st.just("Effect"), st.none(), raw_strings),
-           routing_key=raw_strings, headers=header_tables, key=relay_keys, body=bodies,
-           timestamp=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
-           extra=st.fixed_dictionaries({}, optional={
-               "content_type": raw_strings, "correlation_id": raw_strings,
-               "app_id": raw_strings, "delivery_mode": st.sampled_from([1, 2]),
-               "priority": st.integers(0, 9)}))
+    @given(
+        message_id=st.one_of(st.none(), raw_strings),
+        type_=st.one_of(st.just("Effect"), st.none(), raw_strings),
+        routing_key=raw_strings,
+        headers=header_tables,
+        key=relay_keys,
+        body=bodies,
+        timestamp=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+        extra=st.fixed_dictionaries(
+            {},
+            optional={
+                "content_type": raw_strings,
+                "correlation_id": raw_strings,
+                "app_id": raw_strings,
+                "delivery_mode": st.sampled_from([1, 2]),
+                "priority": st.integers(0, 9),
+            },
+        ),
+    )
     def example(message_id, type_, routing_key, headers, key, body, timestamp, extra):
         n = counts["examples"]
         counts["examples"] += 1
@@ -190,8 +223,13 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
         table = dict(headers or {})
         if key is not None:
             table["x-relay-key"] = ("S", key)
-        properties = {"message_id": message_id, "type": type_, "timestamp": timestamp,
-                      "headers": table or None, **extra}
+        properties = {
+            "message_id": message_id,
+            "type": type_,
+            "timestamp": timestamp,
+            "headers": table or None,
+            **extra,
+        }
 
         async def send() -> bool:
             """True when RabbitMQ took the example (a round trip behind it says so)."""
@@ -200,7 +238,8 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
                 channel = producer["channel"]
                 await amqp_raw.publish(channel, rabbit.exchange, routing_key, body, **properties)
                 await asyncio.wait_for(
-                    channel.exchange_declare(exchange=rabbit.exchange, passive=True), 10)
+                    channel.exchange_declare(exchange=rabbit.exchange, passive=True), 10
+                )
                 taken = True
             except Exception:  # noqa: BLE001 - whatever RabbitMQ closed, it refused the frame
                 await connect()
@@ -211,11 +250,17 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
         taken = asyncio.run_coroutine_threadsafe(send(), loop).result(40)
         if not taken:
             counts["refused by RabbitMQ"] += 1
-        wait_until(lambda: _handled(effects, before, after), timeout=30,
-                   message=f"canaries around example {n}")
+        wait_until(
+            lambda: _handled(effects, before, after),
+            timeout=30,
+            message=f"canaries around example {n}",
+        )
         assert daemon.proc.poll() is None, daemon.log
-        [found] = wait_until(lambda: _settled(effects, consumer, before, after), timeout=30,
-                             message=f"example {n} settled")
+        [found] = wait_until(
+            lambda: _settled(effects, consumer, before, after),
+            timeout=30,
+            message=f"example {n} settled",
+        )
         duplicate = message_id is None and body in seen_bodies
         if message_id is None and taken:
             seen_bodies.add(body)
@@ -236,15 +281,28 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
 # --------------------------------------------------------------------------
 
 # What SQS accepts in a string (its documented character set).
-sqs_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]).filter(
-    lambda c: c in "\t\n\r" or 0x20 <= ord(c) <= 0xD7FF or 0xE000 <= ord(c) <= 0xFFFD
-    or ord(c) >= 0x10000), max_size=40)
+sqs_text = st.text(
+    st.characters(codec="utf-8", exclude_categories=["Cs"]).filter(
+        lambda c: (
+            c in "\t\n\r"
+            or 0x20 <= ord(c) <= 0xD7FF
+            or 0xE000 <= ord(c) <= 0xFFFD
+            or ord(c) >= 0x10000
+        )
+    ),
+    max_size=40,
+)
 attribute_names = st.from_regex(r"\A[A-Za-z0-9_-][A-Za-z0-9_.-]{0,30}\Z").filter(
-    lambda name: not name.lower().startswith(("aws.", "amazon.")) and ".." not in name
-    and not name.endswith("."))
+    lambda name: (
+        not name.lower().startswith(("aws.", "amazon."))
+        and ".." not in name
+        and not name.endswith(".")
+    )
+)
 odd_json = st.one_of(
     json_values.map(json.dumps),
-    st.just('{"h": "a\\u0000b"}'), st.just('{"h": "\\ud800"}'),
+    st.just('{"h": "a\\u0000b"}'),
+    st.just('{"h": "\\ud800"}'),
     st.integers(1, 1200).map(lambda d: '{"a":' * d + "1" + "}" * d),
     st.integers(1, 1200).map(lambda d: "[" * d + "]" * d),
     sqs_text,
@@ -260,7 +318,7 @@ def _sqs_attribute(kind_value: tuple[str, Any]) -> dict[str, Any]:
 
 sqs_attribute_values = st.one_of(
     st.tuples(st.just("String"), sqs_text.filter(bool)),
-    st.tuples(st.just("Number"), st.integers(-10**20, 10**20).map(str)),
+    st.tuples(st.just("Number"), st.integers(-(10**20), 10**20).map(str)),
     st.tuples(st.just("Binary"), st.binary(min_size=1, max_size=20)),
 ).map(_sqs_attribute)
 
@@ -271,35 +329,60 @@ sqs_attribute_values = st.one_of(
 async def test_generated_sqs_messages_each_become_one_row(effects, sqs, start_relay):
     queue = sqs.name("gen") + ".fifo"
     sqs.create(queue, FifoQueue="true")
-    daemon = start_relay("inbox", "--queue", queue, "--handlers", "tests.apps.handlers:registry",
-                         env={"RELAY_BROKER_URL": "sqs://", **sqs.env})
+    daemon = start_relay(
+        "inbox",
+        "--queue",
+        queue,
+        "--handlers",
+        "tests.apps.handlers:registry",
+        env={"RELAY_BROKER_URL": "sqs://", **sqs.env},
+    )
     counts: Counter[str] = Counter()
 
     def send(body: str, attributes: dict[str, Any], n: int, part: str) -> None:
-        sqs.client.send_message(QueueUrl=sqs.urls[queue], MessageBody=body,
-                                MessageAttributes=attributes, MessageGroupId="g",
-                                MessageDeduplicationId=f"{n}-{part}")
+        sqs.client.send_message(
+            QueueUrl=sqs.urls[queue],
+            MessageBody=body,
+            MessageAttributes=attributes,
+            MessageGroupId="g",
+            MessageDeduplicationId=f"{n}-{part}",
+        )
 
     def canary(name: str, n: int) -> None:
-        send("{}", {"message_id": {"DataType": "String", "StringValue": name},
-                    "type": {"DataType": "String", "StringValue": "Effect"}}, n, name)
+        send(
+            "{}",
+            {
+                "message_id": {"DataType": "String", "StringValue": name},
+                "type": {"DataType": "String", "StringValue": "Effect"},
+            },
+            n,
+            name,
+        )
 
     @profile(short=12)
-    @given(body=st.one_of(sqs_text.filter(bool), odd_json.filter(bool)),
-           attributes=st.dictionaries(attribute_names, sqs_attribute_values, max_size=4),
-           message_id=st.one_of(st.none(), sqs_text.filter(bool),
-                                st.integers(1000, 3000).map(lambda n: "i" * n)),
-           type_=st.one_of(st.just("Effect"), st.none(), sqs_text.filter(bool)),
-           key=st.one_of(st.none(), sqs_text.filter(bool),
-                         st.integers(1000, 10_000).map(lambda n: "k" * n)),
-           headers=st.one_of(st.none(), odd_json.filter(bool)))
+    @given(
+        body=st.one_of(sqs_text.filter(bool), odd_json.filter(bool)),
+        attributes=st.dictionaries(attribute_names, sqs_attribute_values, max_size=4),
+        message_id=st.one_of(
+            st.none(), sqs_text.filter(bool), st.integers(1000, 3000).map(lambda n: "i" * n)
+        ),
+        type_=st.one_of(st.just("Effect"), st.none(), sqs_text.filter(bool)),
+        key=st.one_of(
+            st.none(), sqs_text.filter(bool), st.integers(1000, 10_000).map(lambda n: "k" * n)
+        ),
+        headers=st.one_of(st.none(), odd_json.filter(bool)),
+    )
     def example(body, attributes, message_id, type_, key, headers):
         n = counts["examples"]
         counts["examples"] += 1
         before, after = f"canary-{n}-a", f"canary-{n}-b"
         attributes = dict(attributes)
-        for name, value in (("message_id", message_id and f"{message_id}-{n}"),
-                            ("type", type_), ("key", key), ("headers", headers)):
+        for name, value in (
+            ("message_id", message_id and f"{message_id}-{n}"),
+            ("type", type_),
+            ("key", key),
+            ("headers", headers),
+        ):
             if value:
                 attributes[name] = {"DataType": "String", "StringValue": value}
             else:
@@ -312,11 +395,17 @@ async def test_generated_sqs_messages_each_become_one_row(effects, sqs, start_re
             counts["refused by SQS"] += 1
             del exc
         canary(after, n)
-        wait_until(lambda: _handled(effects, before, after), timeout=60,
-                   message=f"canaries around example {n}")
+        wait_until(
+            lambda: _handled(effects, before, after),
+            timeout=60,
+            message=f"canaries around example {n}",
+        )
         assert daemon.proc.poll() is None, daemon.log
-        [found] = wait_until(lambda: _settled(effects, queue, before, after), timeout=30,
-                             message=f"example {n} settled")
+        [found] = wait_until(
+            lambda: _settled(effects, queue, before, after),
+            timeout=30,
+            message=f"example {n} settled",
+        )
         assert len(found) <= 1, found
         _tally(found, counts)
 
@@ -340,35 +429,46 @@ def _deep(depth: int, inner: str) -> str:
 
 async def test_generated_outbox_rows_each_end_published_or_dead(engine, rabbit, start_relay):
     queue = await rabbit.queue("#")
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.2",
-                         "--max-attempts", "1")
+    daemon = start_relay(
+        "outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.2", "--max-attempts", "1"
+    )
     daemon.wait_for_log("outbox relay started")
     counts: Counter[str] = Counter()
     loop = asyncio.get_running_loop()
 
-    def insert(topic: str, key: str | None, type_: str | None, payload: str,
-               headers: str) -> str | None:
+    def insert(
+        topic: str, key: str | None, type_: str | None, payload: str, headers: str
+    ) -> str | None:
         try:
             with engine.begin() as conn:
-                return conn.execute(sa.text(
-                    "INSERT INTO outbox (topic, key, type, payload, headers) "
-                    "VALUES (:t, :k, :y, CAST(:p AS jsonb), CAST(:h AS jsonb)) "
-                    "RETURNING id::text"),
-                    {"t": topic, "k": key, "y": type_, "p": payload, "h": headers}).scalar()
+                return conn.execute(
+                    sa.text(
+                        "INSERT INTO outbox (topic, key, type, payload, headers) "
+                        "VALUES (:t, :k, :y, CAST(:p AS jsonb), CAST(:h AS jsonb)) "
+                        "RETURNING id::text"
+                    ),
+                    {"t": topic, "k": key, "y": type_, "p": payload, "h": headers},
+                ).scalar()
         except (sa.exc.DataError, sa.exc.OperationalError, ValueError):
             return None  # PostgreSQL (or psycopg) refused it: no row, nothing to relay
 
     @profile(short=40)
-    @given(topic=row_texts.filter(bool) | st.integers(200, 400).map(lambda n: "t" * n),
-           key=st.one_of(st.none(), row_texts, st.integers(900, 3000).map(lambda n: "k" * n)),
-           type_=st.one_of(st.none(), row_texts, st.just("T" * 300)),
-           payload=st.one_of(
-               json_values.map(json.dumps),
-               st.tuples(st.integers(1, 700), json_values).map(
-                   lambda d: _deep(d[0], json.dumps(d[1]))),
-               st.integers(2**64, 2**300).map(lambda n: f'{{"big": {n}}}')),
-           headers=st.one_of(json_values.map(json.dumps),
-                             st.dictionaries(row_texts, row_texts, max_size=3).map(json.dumps)))
+    @given(
+        topic=row_texts.filter(bool) | st.integers(200, 400).map(lambda n: "t" * n),
+        key=st.one_of(st.none(), row_texts, st.integers(900, 3000).map(lambda n: "k" * n)),
+        type_=st.one_of(st.none(), row_texts, st.just("T" * 300)),
+        payload=st.one_of(
+            json_values.map(json.dumps),
+            st.tuples(st.integers(1, 700), json_values).map(
+                lambda d: _deep(d[0], json.dumps(d[1]))
+            ),
+            st.integers(2**64, 2**300).map(lambda n: f'{{"big": {n}}}'),
+        ),
+        headers=st.one_of(
+            json_values.map(json.dumps),
+            st.dictionaries(row_texts, row_texts, max_size=3).map(json.dumps),
+        ),
+    )
     def example(topic, key, type_, payload, headers):
         n = counts["examples"]
         counts["examples"] += 1
@@ -397,9 +497,15 @@ async def test_generated_outbox_rows_each_end_published_or_dead(engine, rabbit, 
         assert before in ids and ids.index(before) < ids.index(after)
         if row is None:
             return
-        status, error, stored = wait_until(lambda: rows(
-            engine, "SELECT status, last_error, payload::text FROM outbox "
-                    "WHERE id = CAST(:i AS uuid) AND status <> 'pending'", i=row), timeout=30)[0]
+        status, error, stored = wait_until(
+            lambda: rows(
+                engine,
+                "SELECT status, last_error, payload::text FROM outbox "
+                "WHERE id = CAST(:i AS uuid) AND status <> 'pending'",
+                i=row,
+            ),
+            timeout=30,
+        )[0]
         counts[status] += 1
         if status == "dead":
             assert error and row not in ids
@@ -430,28 +536,37 @@ async def test_generated_enqueue_arguments_are_refused_or_published(engine, rabb
     accepted = []
 
     @profile(short=60)
-    @given(topic=st.text(max_size=300), key=st.one_of(st.none(), st.text(max_size=1100)),
-           type_=st.one_of(st.none(), st.text(max_size=300)),
-           headers=st.dictionaries(st.text(max_size=300), st.text(max_size=20), max_size=3),
-           payload=st.one_of(json_values, st.floats(), st.tuples(
-               st.integers(500, 520), json_values).map(lambda d: _nest(*d))))
+    @given(
+        topic=st.text(max_size=300),
+        key=st.one_of(st.none(), st.text(max_size=1100)),
+        type_=st.one_of(st.none(), st.text(max_size=300)),
+        headers=st.dictionaries(st.text(max_size=300), st.text(max_size=20), max_size=3),
+        payload=st.one_of(
+            json_values,
+            st.floats(),
+            st.tuples(st.integers(500, 520), json_values).map(lambda d: _nest(*d)),
+        ),
+    )
     def example(topic, key, type_, headers, payload):
         before = rows(engine, "SELECT count(*) FROM outbox")[0][0]
         try:
             with engine.begin() as conn:
-                accepted.append(relay.enqueue(conn, topic, payload, key=key, type=type_,
-                                              headers=headers))
+                accepted.append(
+                    relay.enqueue(conn, topic, payload, key=key, type=type_, headers=headers)
+                )
         except (ValueError, TypeError):
             assert rows(engine, "SELECT count(*) FROM outbox")[0][0] == before
 
     await asyncio.to_thread(example)
-    result = await asyncio.to_thread(run_relay, "outbox", "--once", "--exchange",
-                                     rabbit.exchange, "--max-attempts", "1")
+    result = await asyncio.to_thread(
+        run_relay, "outbox", "--once", "--exchange", rabbit.exchange, "--max-attempts", "1"
+    )
     assert result.returncode == 0, result.stderr
     # Everything enqueue took, relay carried.
     statuses = dict(rows(engine, "SELECT status, count(*) FROM outbox GROUP BY status"))
     assert statuses == ({"published": len(accepted)} if accepted else {}), rows(
-        engine, "SELECT topic, last_error FROM outbox WHERE status <> 'published'")
+        engine, "SELECT topic, last_error FROM outbox WHERE status <> 'published'"
+    )
     assert len(await rabbit.drain(queue, len(accepted))) == len(accepted)
 
 

@@ -26,8 +26,9 @@ from tests.conftest import MIXED_HANDLERS, REPO, free_port, insert_outbox, rows,
 
 
 def status_of(engine, message_id):
-    found = rows(engine, "SELECT status, attempts, last_error FROM inbox WHERE message_id = :m",
-                 m=message_id)
+    found = rows(
+        engine, "SELECT status, attempts, last_error FROM inbox WHERE message_id = :m", m=message_id
+    )
     return found[0] if found else None
 
 
@@ -51,13 +52,16 @@ async def queue_depth(rabbit, name: str) -> int:
 
 async def test_inbox_on_dead_block_holds_the_key_until_retried(effects, rabbit, inbox, run_relay):
     daemon = inbox("--on-dead", "block", "--max-attempts", "1")
-    await rabbit.publish("t", b'{"n": 1}', message_id="a-1", type="AlwaysFails",
-                         headers={"x-relay-key": "a"})
+    await rabbit.publish(
+        "t", b'{"n": 1}', message_id="a-1", type="AlwaysFails", headers={"x-relay-key": "a"}
+    )
     wait_until(lambda: (status_of(effects, "a-1") or ("",))[0] == "dead")
-    await rabbit.publish("t", b'{"n": 2}', message_id="a-2", type="Effect",
-                         headers={"x-relay-key": "a"})
-    await rabbit.publish("t", b'{"n": 3}', message_id="b-1", type="Effect",
-                         headers={"x-relay-key": "b"})
+    await rabbit.publish(
+        "t", b'{"n": 2}', message_id="a-2", type="Effect", headers={"x-relay-key": "a"}
+    )
+    await rabbit.publish(
+        "t", b'{"n": 3}', message_id="b-1", type="Effect", headers={"x-relay-key": "b"}
+    )
     wait_until(lambda: effect_ids(effects) == ["b-1"])
     time.sleep(1.5)  # three polls: a-2 would have run by now
     assert effect_ids(effects) == ["b-1"]
@@ -66,8 +70,10 @@ async def test_inbox_on_dead_block_holds_the_key_until_retried(effects, rabbit, 
     text = run_relay("status")
     assert text.returncode == 0, text.stderr
     consumer = f"{rabbit.exchange}.in"
-    assert (f"inbox (consumer {consumer}): keys held by dead rows (under --on-dead block): a"
-            in text.stdout), text.stdout
+    assert (
+        f"inbox (consumer {consumer}): keys held by dead rows (under --on-dead block): a"
+        in text.stdout
+    ), text.stdout
 
     # The dead row, retried, fails again (the handler always fails): the key
     # stays held. The retry command is what releases it once fixed; here we
@@ -81,34 +87,46 @@ async def test_inbox_on_dead_block_holds_the_key_until_retried(effects, rabbit, 
 
 async def test_inbox_on_dead_skip_lets_later_rows_of_the_key_go_on(effects, rabbit, inbox):
     inbox("--max-attempts", "1")  # skip is the default
-    await rabbit.publish("t", b'{"n": 1}', message_id="a-1", type="AlwaysFails",
-                         headers={"x-relay-key": "a"})
+    await rabbit.publish(
+        "t", b'{"n": 1}', message_id="a-1", type="AlwaysFails", headers={"x-relay-key": "a"}
+    )
     wait_until(lambda: (status_of(effects, "a-1") or ("",))[0] == "dead")
-    await rabbit.publish("t", b'{"n": 2}', message_id="a-2", type="Effect",
-                         headers={"x-relay-key": "a"})
+    await rabbit.publish(
+        "t", b'{"n": 2}', message_id="a-2", type="Effect", headers={"x-relay-key": "a"}
+    )
     wait_until(lambda: effect_ids(effects) == ["a-2"])
     assert status_of(effects, "a-1")[:2] == ("dead", 1)
 
 
 def test_status_text_lists_keys_held_by_dead_rows_and_json_keeps_its_shape(engine, run_relay):
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO outbox (topic, key, payload, status) VALUES "
-            "('t', 'k2', '1', 'dead'), ('t', 'k1', '2', 'dead'), ('t', 'k2', '3', 'dead'), "
-            "('t', NULL, '4', 'dead'), ('t', 'k3', '5', 'pending'), "
-            "('t', 'line\nbreak', '6', 'dead')"))
-        conn.execute(sa.text(
-            "INSERT INTO inbox (consumer, message_id, key, status) VALUES "
-            "('c1', 'm1', 'x', 'dead'), ('c1', 'm2', 'y', 'processed'), "
-            "('c2', 'm1', 'y', 'dead')"))
-        conn.execute(sa.text(
-            "INSERT INTO inbox (consumer, message_id, key, status) "
-            "SELECT 'many', 'm' || i, 'key-' || i, 'dead' FROM generate_series(1, 25) i"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (topic, key, payload, status) VALUES "
+                "('t', 'k2', '1', 'dead'), ('t', 'k1', '2', 'dead'), ('t', 'k2', '3', 'dead'), "
+                "('t', NULL, '4', 'dead'), ('t', 'k3', '5', 'pending'), "
+                "('t', 'line\nbreak', '6', 'dead')"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO inbox (consumer, message_id, key, status) VALUES "
+                "('c1', 'm1', 'x', 'dead'), ('c1', 'm2', 'y', 'processed'), "
+                "('c2', 'm1', 'y', 'dead')"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO inbox (consumer, message_id, key, status) "
+                "SELECT 'many', 'm' || i, 'key-' || i, 'dead' FROM generate_series(1, 25) i"
+            )
+        )
     text = run_relay("status")
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
-    assert ('outbox: keys held by dead rows (under --on-dead block): k2, k1, "line\\nbreak"'
-            in lines), text.stdout
+    assert (
+        'outbox: keys held by dead rows (under --on-dead block): k2, k1, "line\\nbreak"' in lines
+    ), text.stdout
     assert "inbox (consumer c1): keys held by dead rows (under --on-dead block): x" in lines
     assert "inbox (consumer c2): keys held by dead rows (under --on-dead block): y" in lines
     [many] = [line for line in lines if line.startswith("inbox (consumer many)")]
@@ -169,13 +187,12 @@ async def test_sync_handler_over_the_timeout_fails_the_attempt_when_it_returns(
     wait_until(lambda: effect_ids(effects) == ["s-2"])
 
 
-async def test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart(
-    effects, rabbit, inbox
-):
+async def test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart(effects, rabbit, inbox):
     args = ("--handler-timeout", "1", "--max-attempts", "2")
     first = inbox(*args)
-    await rabbit.publish("t", b'{"n": 1}', message_id="hang-1", type="SyncHang",
-                         headers={"x-relay-key": "a"})
+    await rabbit.publish(
+        "t", b'{"n": 1}', message_id="hang-1", type="SyncHang", headers={"x-relay-key": "a"}
+    )
     assert first.wait(60) == 1
     assert "handler hung: still running after" in first.log
     status, attempts, error = status_of(effects, "hang-1")
@@ -190,8 +207,9 @@ async def test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart(
 
     # The next start is not wedged: it handles other messages and stays up.
     third = inbox(*args)
-    await rabbit.publish("t", b'{"n": 2}', message_id="ok-1", type="Effect",
-                         headers={"x-relay-key": "a"})
+    await rabbit.publish(
+        "t", b'{"n": 2}', message_id="ok-1", type="Effect", headers={"x-relay-key": "a"}
+    )
     wait_until(lambda: effect_ids(effects) == ["ok-1"], timeout=30)
     assert third.proc.poll() is None
     third.stop()
@@ -201,10 +219,18 @@ async def test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart(
 async def test_sigterm_with_a_hung_handler_still_exits(effects, rabbit, inbox):
     daemon = inbox("--handler-timeout", "30", "--shutdown-timeout", "1")
     await rabbit.publish("t", b'{"n": 1}', message_id="hang-1", type="SyncHang")
-    wait_until(lambda: rows(effects, "SELECT count(*) FROM pg_stat_activity "
-                                     "WHERE datname = current_database() "
-                                     "AND application_name = 'relay' "
-                                     "AND state = 'idle in transaction'")[0][0] > 0)
+    wait_until(
+        lambda: (
+            rows(
+                effects,
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() "
+                "AND application_name = 'relay' "
+                "AND state = 'idle in transaction'",
+            )[0][0]
+            > 0
+        )
+    )
     daemon.signal(15)
     assert daemon.wait(30) == 0
     # Nothing counted, nothing stuck: the row is pending for the next daemon.
@@ -222,8 +248,10 @@ async def test_ten_megabyte_message_is_stored_and_handled(effects, rabbit, inbox
     body = orjson.dumps({"n": 1, "blob": blob})
     await rabbit.publish("t", body, message_id="big-1", type="Effect")
     wait_until(lambda: effect_ids(effects) == ["big-1"], timeout=60)
-    [(status, size)] = rows(effects, "SELECT status, octet_length(payload ->> 'blob') "
-                                     "FROM inbox WHERE message_id = 'big-1'")
+    [(status, size)] = rows(
+        effects,
+        "SELECT status, octet_length(payload ->> 'blob') FROM inbox WHERE message_id = 'big-1'",
+    )
     assert (status, size) == ("processed", len(blob))
 
 
@@ -234,8 +262,8 @@ async def test_json_with_invalid_utf8_is_kept_dead_and_the_rest_goes_on(effects,
     await rabbit.publish("t", b'{"n": 2}', message_id="ok-1", type="Effect")
     wait_until(lambda: effect_ids(effects) == ["ok-1"])
     [(status, payload, body, error)] = rows(
-        effects, "SELECT status, payload, body, last_error FROM inbox "
-                 "WHERE message_id = 'latin-1'")
+        effects, "SELECT status, payload, body, last_error FROM inbox WHERE message_id = 'latin-1'"
+    )
     assert (status, payload, bytes(body)) == ("dead", None, bad)
     assert "UTF-8" in error or "not valid JSON" in error
     assert "inbox.body" in error
@@ -246,16 +274,19 @@ async def test_empty_body_is_kept_dead_and_the_rest_goes_on(effects, rabbit, inb
     # multi-frame one (over the 128 KiB frame size) and a plain one.
     inbox()
     await rabbit.publish("t", b"", message_id="empty-1", type="Effect")
-    await rabbit.publish("t", orjson.dumps({"n": 1, "blob": "y" * 300_000}),
-                         message_id="frames-1", type="Effect")
+    await rabbit.publish(
+        "t", orjson.dumps({"n": 1, "blob": "y" * 300_000}), message_id="frames-1", type="Effect"
+    )
     await rabbit.publish("t", b'{"n": 2}', message_id="ok-2", type="Effect")
     wait_until(lambda: sorted(effect_ids(effects)) == ["frames-1", "ok-2"])
     [(status, body, error)] = rows(
-        effects, "SELECT status, body, last_error FROM inbox WHERE message_id = 'empty-1'")
+        effects, "SELECT status, body, last_error FROM inbox WHERE message_id = 'empty-1'"
+    )
     assert (status, bytes(body)) == ("dead", b"")
     assert "not valid JSON" in error
-    [(size,)] = rows(effects, "SELECT octet_length(payload ->> 'blob') FROM inbox "
-                              "WHERE message_id = 'frames-1'")
+    [(size,)] = rows(
+        effects, "SELECT octet_length(payload ->> 'blob') FROM inbox WHERE message_id = 'frames-1'"
+    )
     assert size == 300_000
 
 
@@ -281,31 +312,34 @@ async def test_fifty_thousand_tiny_rows_from_one_transaction_drain_in_flat_memor
         await asyncio.sleep(0.05)
     assert daemon.proc.returncode == 0, daemon.log
     assert rows(engine, "SELECT status, count(*) FROM outbox GROUP BY status") == [
-        ("published", 50_000)]
+        ("published", 50_000)
+    ]
     assert await queue_depth(rabbit, queue.name) == 50_000
     # Batches of --batch-size rows: the process never holds the backlog.
     # (A relay process starts at about 80 MiB; the bound is generous.)
     assert peak < 400 * 1024, f"peak RSS {peak} KiB"
 
 
-async def test_payload_over_rabbitmqs_limit_is_dead_and_its_key_goes_on(
-    engine, rabbit, run_relay
-):
+async def test_payload_over_rabbitmqs_limit_is_dead_and_its_key_goes_on(engine, rabbit, run_relay):
     queue = await rabbit.queue("size.#")
     limit = 128 * 1024 * 1024
     with engine.begin() as conn:
         relay.enqueue(conn, "size.x", {"n": 1}, key="k")
-        conn.execute(sa.text(
-            "INSERT INTO outbox (topic, key, payload) "
-            "VALUES ('size.x', 'k', jsonb_build_object('blob', repeat('x', :n)))"),
-            {"n": limit})
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (topic, key, payload) "
+                "VALUES ('size.x', 'k', jsonb_build_object('blob', repeat('x', :n)))"
+            ),
+            {"n": limit},
+        )
         relay.enqueue(conn, "size.x", {"n": 3}, key="k")
     result = run_relay("outbox", "--once", "--exchange", rabbit.exchange, timeout=120)
     assert result.returncode == 0, result.stderr
     got = await rabbit.drain(queue, 2)
     assert [orjson.loads(m.body)["n"] for m in got] == [1, 3]
     [(status, attempts, error)] = rows(
-        engine, "SELECT status, attempts, last_error FROM outbox WHERE payload ? 'blob'")
+        engine, "SELECT status, attempts, last_error FROM outbox WHERE payload ? 'blob'"
+    )
     assert (status, attempts) == ("dead", 1)
     assert f"payload is {limit + 11} bytes" in error
     assert f"message size limit ({limit} bytes)" in error
@@ -331,9 +365,17 @@ async def test_broker_refusing_a_message_as_too_big_fails_that_row_and_releases_
     limit = 128 * 1024 * 1024
 
     def row(n: int, payload: str) -> OutboxRow:
-        return OutboxRow(id=str(uuid.uuid4()), seq=n, topic="size.x", key="k", type=None,
-                         payload=payload, headers="{}", created_at=datetime.now(UTC),
-                         attempts=0)
+        return OutboxRow(
+            id=str(uuid.uuid4()),
+            seq=n,
+            topic="size.x",
+            key="k",
+            type=None,
+            payload=payload,
+            headers="{}",
+            created_at=datetime.now(UTC),
+            attempts=0,
+        )
 
     big = row(2, '"' + "x" * limit + '"')
     batch = [row(1, '{"n": 1}'), big, row(3, '{"n": 3}')]
@@ -366,8 +408,7 @@ async def test_integers_beyond_64_bits_cross_outbox_and_inbox_exactly(
     big = 123456789012345678901234567890
     inbox()
     with effects.begin() as conn:
-        relay.enqueue(conn, "exact", {"n": 1, "big": big, "neg": -big, "small": 0.1},
-                      type="Effect")
+        relay.enqueue(conn, "exact", {"n": 1, "big": big, "neg": -big, "small": 0.1}, type="Effect")
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0
     wait_until(lambda: len(effect_ids(effects)) == 1)
     [(payload,)] = rows(effects, "SELECT payload::text FROM inbox")
@@ -379,15 +420,26 @@ def test_big_integer_payload_body_is_exact_compact_json():
     from relay.rows import OutboxRow
 
     def body(payload_text: str) -> bytes:
-        row = OutboxRow(id=str(uuid.uuid4()), seq=1, topic="t", key=None, type=None,
-                        payload=payload_text, headers="{}", created_at=None, attempts=0)
+        row = OutboxRow(
+            id=str(uuid.uuid4()),
+            seq=1,
+            topic="t",
+            key=None,
+            type=None,
+            payload=payload_text,
+            headers="{}",
+            created_at=None,
+            attempts=0,
+        )
         return row_body(row)
 
     # As PostgreSQL renders jsonb: ", " and ": " between items.
     assert body('{"a": 123456789012345678901234567890, "s": "x, y: z", "f": 0.1}') == (
-        b'{"a":123456789012345678901234567890,"s":"x, y: z","f":0.1}')
+        b'{"a":123456789012345678901234567890,"s":"x, y: z","f":0.1}'
+    )
     assert body('[1.000000000000000000001, "\\"q\\", \\\\", {"k": []}]') == (
-        b'[1.000000000000000000001,"\\"q\\", \\\\",{"k":[]}]')
+        b'[1.000000000000000000001,"\\"q\\", \\\\",{"k":[]}]'
+    )
     assert body('{"a": 1, "b": [true, null]}') == b'{"a":1,"b":[true,null]}'
 
 
@@ -402,15 +454,24 @@ _DYNAMIC_SQL_ALLOWED = {
     ("relay/db/listener.py", 'f"LISTEN {self.channel}"'),
     # OutboxSession's simple-protocol commands: prepared once per connection,
     # then run with integers (int()) and UUIDs the claim returned (checked).
-    ("relay/db/session.py", (
-        '"PREPARE relay_claim(int, int, int) AS " + self._claim_sql\n'
-        '                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED')),
+    (
+        "relay/db/session.py",
+        (
+            '"PREPARE relay_claim(int, int, int) AS " + self._claim_sql\n'
+            '                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED'
+        ),
+    ),
     # `claim`: EXECUTE relay_claim(the integers), or behind a pooler the
     # claim itself with those integers written in (relay.db.session._POOLED_SESSION).
     ("relay/db/session.py", 'f"BEGIN; {claim}"'),
-    ("relay/db/session.py", 'f"EXECUTE relay_mark(\'{{{ids}}}\'); COMMIT"'),
-    ("relay/db/session.py", ('MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
-                            '                                   + "; COMMIT"')),
+    ("relay/db/session.py", "f\"EXECUTE relay_mark('{{{ids}}}'); COMMIT\""),
+    (
+        "relay/db/session.py",
+        (
+            'MARK_PUBLISHED.replace("$1", f"\'{{{ids}}}\'::uuid[]")\n'
+            '                                   + "; COMMIT"'
+        ),
+    ),
     # relay.dead's statements are templates of relay/db/queries/dead.sql,
     # filled by relay.db.dead with table and column names from its fixed
     # COLUMNS and conditions of bound parameters (relay.db.dead.condition).
@@ -424,7 +485,8 @@ def _dynamic(node: ast.expr) -> bool:
     if isinstance(node, ast.IfExp):
         return _dynamic(node.body) or _dynamic(node.orelse)
     return isinstance(node, (ast.JoinedStr, ast.BinOp)) or (
-        isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "format")
+        isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "format"
+    )
 
 
 def test_every_value_in_sql_is_a_bound_parameter():
@@ -456,13 +518,20 @@ def _http(port: int, request: bytes) -> bytes:
 
 async def test_http_port_serves_nothing_that_changes_state(engine, rabbit, start_relay):
     port = free_port()
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--http-port", str(port),
-                         env={"RELAY_BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/"})
+    daemon = start_relay(
+        "outbox",
+        "--exchange",
+        rabbit.exchange,
+        "--http-port",
+        str(port),
+        env={"RELAY_BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/"},
+    )
     daemon.wait_for_log("outbox relay started", timeout=30)
     for method in (b"POST", b"PUT", b"DELETE", b"PATCH"):
         for path in (b"/healthz", b"/metrics", b"/retry", b"/"):
-            reply = _http(port, method + b" " + path + b" HTTP/1.1\r\nHost: x\r\n"
-                          b"Content-Length: 0\r\n\r\n")
+            reply = _http(
+                port, method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            )
             assert reply.startswith(b"HTTP/1.1 405"), (method, path, reply[:80])
     assert _http(port, b"GET /retry HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404")
     metrics = _http(port, b"GET /metrics HTTP/1.1\r\n\r\n")
@@ -484,8 +553,9 @@ async def test_tables_live_where_the_search_path_in_the_url_puts_them(
     applied = run_relay("schema", "apply", env=env)
     assert applied.returncode == 0, applied.stderr
     with psycopg.connect(empty_database.replace("+psycopg", "")) as conn:
-        assert conn.execute("SELECT to_regclass('app.outbox') IS NOT NULL, "
-                            "to_regclass('public.outbox') IS NULL").fetchone() == (True, True)
+        assert conn.execute(
+            "SELECT to_regclass('app.outbox') IS NOT NULL, to_regclass('public.outbox') IS NULL"
+        ).fetchone() == (True, True)
         conn.execute("INSERT INTO app.outbox (topic, key, payload) VALUES ('sp.x', 'k', '1')")
     result = run_relay("outbox", "--once", "--exchange", rabbit.exchange, env=env)
     assert result.returncode == 0, result.stderr

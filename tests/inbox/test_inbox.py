@@ -35,8 +35,10 @@ from tests.conftest import (
 
 
 def inbox_rows(engine):
-    return rows(engine, "SELECT message_id, status, attempts, last_error, type, key, topic "
-                        "FROM inbox ORDER BY seq")
+    return rows(
+        engine,
+        "SELECT message_id, status, attempts, last_error, type, key, topic FROM inbox ORDER BY seq",
+    )
 
 
 def effect_ids(engine):
@@ -52,11 +54,16 @@ def store_rows(engine, consumer, planned):
     """Inbox rows as the receiver stores them, pending, before a dispatcher
     claims them: (message_id, key, type, payload, attempts)."""
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO inbox (consumer, message_id, topic, key, type, payload, attempts) "
-            "VALUES (:c, :m, 't', :k, :t, CAST(:p AS jsonb), :a)"),
-            [{"c": consumer, "m": m, "k": key, "t": t, "p": orjson.dumps(p).decode(), "a": a}
-             for m, key, t, p, a in planned])
+        conn.execute(
+            sa.text(
+                "INSERT INTO inbox (consumer, message_id, topic, key, type, payload, attempts) "
+                "VALUES (:c, :m, 't', :k, :t, CAST(:p AS jsonb), :a)"
+            ),
+            [
+                {"c": consumer, "m": m, "k": key, "t": t, "p": orjson.dumps(p).decode(), "a": a}
+                for m, key, t, p, a in planned
+            ],
+        )
 
 
 async def publish(rabbit, routing_key="orders.placed", body=b'{"n": 1}', **props):
@@ -65,20 +72,27 @@ async def publish(rabbit, routing_key="orders.placed", body=b'{"n": 1}', **props
 
 async def test_message_is_stored_handled_and_marked_processed(effects, rabbit, inbox):
     daemon = inbox()
-    await publish(rabbit, body=b'{"n": 5}', message_id="m-1", type="Effect",
-                  headers={"x-relay-key": "order-5", "traceparent": "00-aa-bb-01"})
+    await publish(
+        rabbit,
+        body=b'{"n": 5}',
+        message_id="m-1",
+        type="Effect",
+        headers={"x-relay-key": "order-5", "traceparent": "00-aa-bb-01"},
+    )
     wait_until(lambda: effect_ids(effects) == ["m-1"])
     wait_until(lambda: inbox_rows(effects)[0][1] == "processed")
     [(message_id, status, attempts, error, type_, key, topic)] = inbox_rows(effects)
     assert (message_id, status, attempts, error) == ("m-1", "processed", 0, None)
     assert (type_, key, topic) == ("Effect", "order-5", "orders.placed")
     [(payload, headers, processed_at)] = rows(
-        effects, "SELECT payload, headers, processed_at FROM inbox")
+        effects, "SELECT payload, headers, processed_at FROM inbox"
+    )
     assert payload == {"n": 5}
     assert headers["traceparent"] == "00-aa-bb-01"
     assert processed_at is not None
     assert rows(effects, "SELECT n, key, traceparent FROM effects") == [
-        (5, "order-5", "00-aa-bb-01")]
+        (5, "order-5", "00-aa-bb-01")
+    ]
     daemon.stop()
     assert daemon.proc.returncode == 0
 
@@ -95,12 +109,13 @@ async def test_same_message_three_times_to_three_inboxes_gives_one_row_and_one_e
 ):
     daemons = [inbox() for _ in range(3)]
     for _ in range(3):
-        await asyncio.gather(*[
-            publish(rabbit, message_id=f"dup-{i}", type="Effect", body=b'{"n": %d}' % i)
-            for i in range(20)
-        ])
-    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status = 'processed'"))
-               == 20)
+        await asyncio.gather(
+            *[
+                publish(rabbit, message_id=f"dup-{i}", type="Effect", body=b'{"n": %d}' % i)
+                for i in range(20)
+            ]
+        )
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status = 'processed'")) == 20)
     time.sleep(1)  # any second effect would have landed by now
     assert sorted(effect_ids(effects)) == sorted(f"dup-{i}" for i in range(20))
     assert len(rows(effects, "SELECT 1 FROM inbox")) == 20
@@ -144,16 +159,23 @@ async def test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes(
     consumer = f"{rabbit.exchange}.in"
     k = one_dispatchers_keys(effects, 12)
     planned = [(f"e{i}", k[i], "Logs", {"n": i}) for i in range(5)]
-    planned += [("flaky", k[10], flaky, {"n": 99, "fail_times": 1}),
-                ("after-flaky", k[10], effect, {"n": 100}),  # waits for its key
-                ("unknown", k[11], "NobodyHandlesThis", {"n": 101})]
+    planned += [
+        ("flaky", k[10], flaky, {"n": 99, "fail_times": 1}),
+        ("after-flaky", k[10], effect, {"n": 100}),  # waits for its key
+        ("unknown", k[11], "NobodyHandlesThis", {"n": 101}),
+    ]
     planned += [(f"e{i}", k[i], effect, {"n": i}) for i in range(5, 10)]
     store_rows(effects, consumer, [(m, key, t, p, 0) for m, key, t, p in planned])
     daemon = inbox(handlers=handlers)
-    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status <> 'pending'"))
-               == len(planned))
-    state = {m: (status, attempts, processed_at) for m, status, attempts, processed_at in rows(
-        effects, "SELECT message_id, status, attempts, processed_at FROM inbox")}
+    wait_until(
+        lambda: len(rows(effects, "SELECT 1 FROM inbox WHERE status <> 'pending'")) == len(planned)
+    )
+    state = {
+        m: (status, attempts, processed_at)
+        for m, status, attempts, processed_at in rows(
+            effects, "SELECT message_id, status, attempts, processed_at FROM inbox"
+        )
+    }
     # Every handler's writes landed exactly once, the failed run's not at all.
     expected = sorted(m for m, _, t, _ in planned if t in (effect, "Logs", flaky))
     assert sorted(effect_ids(effects)) == expected
@@ -168,8 +190,7 @@ async def test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes(
     assert state["unknown"][:2] == ("dead", 1)
     # The plain rows went in the first batch, together...
     first_batch = {state[f"e{i}"][2] for i in range(10)}
-    assert len(first_batch) == 1 and all(state[f"e{i}"][:2] == ("processed", 0)
-                                         for i in range(10))
+    assert len(first_batch) == 1 and all(state[f"e{i}"][:2] == ("processed", 0) for i in range(10))
     # ... and the row behind the failed one waited for it, untouched.
     assert state["after-flaky"][:2] == ("processed", 0)
     assert state["after-flaky"][2] >= state["flaky"][2] > first_batch.pop()
@@ -208,8 +229,11 @@ def recording_registry(ran: list[str]) -> relay.HandlerRegistry:
 
 
 async def one_batch(
-    engine: sa.Engine, database: str, planned: list[tuple[str, str, str | None, int]],
-    *, sync: bool = True,
+    engine: sa.Engine,
+    database: str,
+    planned: list[tuple[str, str, str | None, int]],
+    *,
+    sync: bool = True,
 ) -> tuple[list[str], float | None, dict[str, tuple[str, int, str | None]]]:
     """Store `planned` rows (message_id, type, key, attempts) and run one batch;
     returns the handler runs in order, the reruns counted, and each
@@ -224,8 +248,12 @@ async def one_batch(
         await dispatcher.dispatch_batch()
     finally:
         await store.close()
-    state = {m: (status, attempts, error) for m, status, attempts, error in rows(
-        engine, "SELECT message_id, status, attempts, last_error FROM inbox")}
+    state = {
+        m: (status, attempts, error)
+        for m, status, attempts, error in rows(
+            engine, "SELECT message_id, status, attempts, last_error FROM inbox"
+        )
+    }
     return ran, metrics.registry.get_sample_value("relay_inbox_handler_reruns_total"), state
 
 
@@ -234,9 +262,18 @@ async def test_handler_runs_of_one_batch_a_first_failure_runs_those_before_it_ag
     effects, database, monkeypatch, sync
 ):
     monkeypatch.setattr("relay.inbox.CHECKPOINT_EVERY", 3600.0)  # no checkpoint here
-    ran, reruns, state = await one_batch(effects, database, [
-        ("a", "Record", None, 0), ("b", "Record", "k", 0), ("f", "Fail", "k", 0),
-        ("g", "Record", "k", 0), ("c", "Record", None, 0)], sync=sync)
+    ran, reruns, state = await one_batch(
+        effects,
+        database,
+        [
+            ("a", "Record", None, 0),
+            ("b", "Record", "k", 0),
+            ("f", "Fail", "k", 0),
+            ("g", "Record", "k", 0),
+            ("c", "Record", None, 0),
+        ],
+        sync=sync,
+    )
     # The batch's one savepoint rolled back at f's failure, and the batch ran
     # on from its start, a savepoint per handler: a and b again, f not (its
     # failure is recorded), g waits behind f's key.
@@ -244,16 +281,23 @@ async def test_handler_runs_of_one_batch_a_first_failure_runs_those_before_it_ag
     assert reruns == 2
     assert sorted(effect_ids(effects)) == ["a", "b", "c"]
     assert {m: v[:2] for m, v in state.items()} == {
-        "a": ("processed", 0), "b": ("processed", 0), "f": ("pending", 1),
-        "g": ("pending", 0), "c": ("processed", 0)}
+        "a": ("processed", 0),
+        "b": ("processed", 0),
+        "f": ("pending", 1),
+        "g": ("pending", 0),
+        "c": ("processed", 0),
+    }
     assert "RuntimeError: fails after writing" in state["f"][2]
 
 
 async def test_handler_runs_of_one_batch_rows_that_failed_before_run_each_in_its_own_savepoint(
     effects, database
 ):
-    ran, reruns, state = await one_batch(effects, database, [
-        ("a", "Record", None, 0), ("f", "Fail", None, 1), ("c", "Record", None, 0)])
+    ran, reruns, state = await one_batch(
+        effects,
+        database,
+        [("a", "Record", None, 0), ("f", "Fail", None, 1), ("c", "Record", None, 0)],
+    )
     assert ran == ["a", "f", "c"]  # nothing ran twice
     assert reruns == 0
     assert sorted(effect_ids(effects)) == ["a", "c"]
@@ -266,15 +310,25 @@ async def test_handler_runs_of_one_batch_a_failure_goes_back_only_to_the_last_ch
     # The batch's savepoint moves on before every handler here (as it does
     # every CHECKPOINT_EVERY seconds): f's failure undoes only its own run.
     monkeypatch.setattr("relay.inbox.CHECKPOINT_EVERY", -1.0)
-    ran, reruns, state = await one_batch(effects, database, [
-        ("a", "Record", None, 0), ("f", "Fail", "k", 0), ("g", "Record", "k", 0),
-        ("c", "Record", None, 0)])
+    ran, reruns, state = await one_batch(
+        effects,
+        database,
+        [
+            ("a", "Record", None, 0),
+            ("f", "Fail", "k", 0),
+            ("g", "Record", "k", 0),
+            ("c", "Record", None, 0),
+        ],
+    )
     assert ran == ["a", "f", "c"]
     assert reruns == 0  # f's own run rolled back, nobody else's
     assert sorted(effect_ids(effects)) == ["a", "c"]
     assert {m: v[:2] for m, v in state.items()} == {
-        "a": ("processed", 0), "f": ("pending", 1), "g": ("pending", 0),
-        "c": ("processed", 0)}
+        "a": ("processed", 0),
+        "f": ("pending", 1),
+        "g": ("pending", 0),
+        "c": ("processed", 0),
+    }
 
 
 @pytest.mark.parametrize("attempts", [0, 1], ids=["first-run", "after-a-failure"])
@@ -283,8 +337,11 @@ async def test_a_handler_that_swallows_a_database_error_fails_its_row_only(
 ):
     # A caught database error leaves the transaction aborted: the handler's
     # run counts as failed (its writes roll back), its neighbours' stay.
-    ran, reruns, state = await one_batch(effects, database, [
-        ("a", "Record", None, 0), ("s", "Swallow", None, attempts), ("c", "Record", None, 0)])
+    ran, reruns, state = await one_batch(
+        effects,
+        database,
+        [("a", "Record", None, 0), ("s", "Swallow", None, attempts), ("c", "Record", None, 0)],
+    )
     assert sorted(effect_ids(effects)) == ["a", "c"]
     assert state["a"][:2] == state["c"][:2] == ("processed", 0)
     status, tries, error = state["s"]
@@ -302,14 +359,19 @@ async def test_receiver_stores_at_most_two_batches_per_dispatcher_ahead_of_slow_
     limit = PACE_BATCHES * DISPATCHERS * 5
     assert limit < 100 / 2  # else the bound below would not show pacing
     inbox("--batch-size", "5")
-    await asyncio.gather(*[
-        publish(rabbit, message_id=f"s-{i}", type="Slow", body=b'{"n": %d, "seconds": 0.05}' % i)
-        for i in range(100)
-    ])
+    await asyncio.gather(
+        *[
+            publish(
+                rabbit, message_id=f"s-{i}", type="Slow", body=b'{"n": %d, "seconds": 0.05}' % i
+            )
+            for i in range(100)
+        ]
+    )
     most_pending = 0
     while True:
-        [(stored, pending)] = rows(effects, "SELECT count(*), count(*) FILTER "
-                                            "(WHERE status = 'pending') FROM inbox")
+        [(stored, pending)] = rows(
+            effects, "SELECT count(*), count(*) FILTER (WHERE status = 'pending') FROM inbox"
+        )
         most_pending = max(most_pending, pending)
         if stored == 100 and pending == 0:
             break
@@ -354,8 +416,10 @@ async def test_non_json_body_is_kept_and_dead(effects, rabbit, inbox):
     await publish(rabbit, message_id="bad-2", type="Effect", body=b'{"nul": "\\u0000"}')
     await publish(rabbit, message_id="ok-1", type="Effect")
     wait_until(lambda: effect_ids(effects) == ["ok-1"])
-    stored = {r[0]: r for r in rows(
-        effects, "SELECT message_id, status, payload, body, last_error FROM inbox")}
+    stored = {
+        r[0]: r
+        for r in rows(effects, "SELECT message_id, status, payload, body, last_error FROM inbox")
+    }
     assert stored["bad-1"][1:4] == ("dead", None, body)
     assert "not valid JSON" in stored["bad-1"][4]
     assert stored["bad-2"][1] == "dead" and bytes(stored["bad-2"][3]) == b'{"nul": "\\u0000"}'
@@ -377,8 +441,13 @@ async def test_per_key_dispatch_order_with_three_inboxes(effects, rabbit, inbox)
     for _ in range(3):
         inbox("--batch-size", "20")
     for n in range(600):
-        await publish(rabbit, message_id=f"o-{n}", type="Effect",
-                      body=orjson.dumps({"n": n}), headers={"x-relay-key": f"k{n % 12}"})
+        await publish(
+            rabbit,
+            message_id=f"o-{n}",
+            type="Effect",
+            body=orjson.dumps({"n": n}),
+            headers={"x-relay-key": f"k{n % 12}"},
+        )
     wait_until(lambda: len(effect_ids(effects)) == 600, timeout=60)
     last: dict[str, int] = {}
     for key, n in rows(effects, "SELECT key, n FROM effects ORDER BY at, id"):
@@ -408,9 +477,7 @@ async def test_kill_9_of_the_inbox_takes_its_receiver_process_along(effects, rab
     wait_until(lambda: effect_ids(effects) == ["after-kill"])
 
 
-async def test_a_receiver_process_that_dies_stops_the_inbox_with_status_1(
-    effects, rabbit, inbox
-):
+async def test_a_receiver_process_that_dies_stops_the_inbox_with_status_1(effects, rabbit, inbox):
     daemon = inbox()
     [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))
     os.kill(receiver, signal.SIGKILL)
@@ -445,8 +512,12 @@ async def test_status_and_retry_commands(effects, rabbit, inbox, run_relay):
     result = run_relay("status", "--json")
     assert result.returncode == 0, result.stderr
     report = orjson.loads(result.stdout)
-    assert report["inbox"] == {"pending": 0, "processed": 1, "dead": 1,
-                               "oldest_pending_seconds": None}
+    assert report["inbox"] == {
+        "pending": 0,
+        "processed": 1,
+        "dead": 1,
+        "oldest_pending_seconds": None,
+    }
     assert report["outbox"]["pending"] == 1
     assert report["outbox"]["oldest_pending_seconds"] >= 0
     text = run_relay("status")
@@ -457,15 +528,20 @@ async def test_status_and_retry_commands(effects, rabbit, inbox, run_relay):
     result = run_relay("retry", "inbox", "--all-dead")
     assert result.returncode == 0 and result.stdout.strip() == "retried 1 inbox row"
     # Retried and woken at once: it fails again (max-attempts 1) and is dead again.
-    wait_until(lambda: rows(effects, "SELECT attempts, status FROM inbox "
-                                     "WHERE message_id = 's-1'") == [(1, "dead")])
+    wait_until(
+        lambda: (
+            rows(effects, "SELECT attempts, status FROM inbox WHERE message_id = 's-1'")
+            == [(1, "dead")]
+        )
+    )
     assert run_relay("retry", "outbox").returncode == 2
     bad = run_relay("retry", "outbox", "--id", "not-a-uuid")
     assert bad.returncode == 2 and "not-a-uuid" in bad.stderr
 
 
 async def test_handlers_module_is_found_in_the_working_directory(
-        effects, rabbit, relay_env, tmp_path):
+    effects, rabbit, relay_env, tmp_path
+):
     """`relay inbox --handlers app_handlers` run from the app's own checkout
     finds app_handlers.py there, as Celery and uvicorn find theirs."""
     (tmp_path / "cwd_handlers.py").write_text(
@@ -473,7 +549,8 @@ async def test_handlers_module_is_found_in_the_working_directory(
         "@registry.handler('CwdEffect')\n"
         "def effect(message, conn):\n"
         "    conn.execute(sa.text('INSERT INTO effects (message_id) VALUES (:m)'), "
-        "{'m': message.id})\n")
+        "{'m': message.id})\n"
+    )
     queue = f"{rabbit.exchange}.in"
     rabbit.queues.append(queue)
     log = tmp_path / "inbox.log"
@@ -481,12 +558,27 @@ async def test_handlers_module_is_found_in_the_working_directory(
         proc = subprocess.Popen(
             # The console script, as users run it (`python -m` would put the
             # working directory on sys.path by itself).
-            [str(Path(sys.executable).parent / "relay"), "inbox", "--queue", queue,
-             "--exchange", rabbit.exchange, "--bind", "#", "--handlers", "cwd_handlers"],
-            env=relay_env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+            [
+                str(Path(sys.executable).parent / "relay"),
+                "inbox",
+                "--queue",
+                queue,
+                "--exchange",
+                rabbit.exchange,
+                "--bind",
+                "#",
+                "--handlers",
+                "cwd_handlers",
+            ],
+            env=relay_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
     try:
-        wait_until(lambda: "inbox started" in log.read_text() or proc.poll() is not None,
-                   timeout=30)
+        wait_until(
+            lambda: "inbox started" in log.read_text() or proc.poll() is not None, timeout=30
+        )
         assert proc.poll() is None, log.read_text()
         await rabbit.publish("t", b"{}", message_id="cwd-1", type="CwdEffect")
         wait_until(lambda: effect_ids(effects) == ["cwd-1"])
@@ -522,7 +614,8 @@ async def test_entry_point_registries_load_when_no_handlers_flag(
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: orders-app\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
-        "[relay.handlers]\norders = tests.apps.handlers:registry\n")
+        "[relay.handlers]\norders = tests.apps.handlers:registry\n"
+    )
     relay_env["PYTHONPATH"] = str(tmp_path)
     inbox(handlers=None)
     await publish(rabbit, message_id="ep-1", type="Effect")
@@ -534,9 +627,17 @@ async def test_outbox_to_inbox_end_to_end_carries_id_key_and_traceparent(
 ):
     inbox(bind="orders.#")
     with effects.begin() as conn:
-        ids = [relay.enqueue(conn, "orders.placed", {"n": n}, key="order-1", type="Effect",
-                             headers={"traceparent": f"00-{n:032x}-{n:016x}-01"})
-               for n in range(5)]
+        ids = [
+            relay.enqueue(
+                conn,
+                "orders.placed",
+                {"n": n},
+                key="order-1",
+                type="Effect",
+                headers={"traceparent": f"00-{n:032x}-{n:016x}-01"},
+            )
+            for n in range(5)
+        ]
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0
     wait_until(lambda: len(effect_ids(effects)) == 5)
     got = rows(effects, "SELECT message_id, key, n, traceparent FROM effects ORDER BY id")
@@ -549,8 +650,10 @@ def test_relay_message_is_importable_and_registry_rejects_bad_types():
     registry = relay.HandlerRegistry()
     with pytest.raises(ValueError):
         registry.handler("")
-    assert relay.Message(id=str(uuid.uuid4()), type="T", topic=None, key=None,
-                         payload={}).attempts == 0
+    assert (
+        relay.Message(id=str(uuid.uuid4()), type="T", topic=None, key=None, payload={}).attempts
+        == 0
+    )
     assert isinstance(sa.text("SELECT 1"), sa.TextClause)
 
 
@@ -558,11 +661,19 @@ async def test_consumes_a_queue_declared_with_arguments_of_its_own(effects, rabb
     queue_name = f"{rabbit.exchange}.quorum"
     rabbit.queues.append(queue_name)
     channel = await rabbit.connection.channel()
-    await channel.declare_queue(queue_name, durable=True,
-                                arguments={"x-queue-type": "quorum"})
+    await channel.declare_queue(queue_name, durable=True, arguments={"x-queue-type": "quorum"})
     await channel.close()
-    daemon = start_relay("inbox", "--queue", queue_name, "--exchange", rabbit.exchange,
-                         "--bind", "#", "--handlers", HANDLERS)
+    daemon = start_relay(
+        "inbox",
+        "--queue",
+        queue_name,
+        "--exchange",
+        rabbit.exchange,
+        "--bind",
+        "#",
+        "--handlers",
+        HANDLERS,
+    )
     daemon.wait_for_log("inbox started")
     await publish(rabbit, message_id="q-1", type="Effect")
     wait_until(lambda: effect_ids(effects) == ["q-1"])

@@ -36,51 +36,129 @@ async def raw_channel(rabbit):
 
 
 def stored(engine):
-    return rows(engine, "SELECT message_id, status, topic, key, type, payload, headers, "
-                        "last_error, raw_properties, body FROM inbox ORDER BY seq")
+    return rows(
+        engine,
+        "SELECT message_id, status, topic, key, type, payload, headers, "
+        "last_error, raw_properties, body FROM inbox ORDER BY seq",
+    )
 
 
 # name, routing key, properties, body, what last_error must say (None: not dead)
 CASES = [
-    ("nul-header-value", "t", {"message_id": "nul-header-value",
-                               "headers": {"h": ("S", "a\x00b")}}, b"{}", "NUL"),
-    ("nul-header-name", "t", {"message_id": "nul-header-name",
-                              "headers": {"h\x00": ("S", "v")}}, b"{}", "NUL"),
-    ("nul-nested", "t", {"message_id": "nul-nested",
-                         "headers": {"t": ("F", {"in": ("A", [("S", "x\x00")])})}}, b"{}", "NUL"),
+    (
+        "nul-header-value",
+        "t",
+        {"message_id": "nul-header-value", "headers": {"h": ("S", "a\x00b")}},
+        b"{}",
+        "NUL",
+    ),
+    (
+        "nul-header-name",
+        "t",
+        {"message_id": "nul-header-name", "headers": {"h\x00": ("S", "v")}},
+        b"{}",
+        "NUL",
+    ),
+    (
+        "nul-nested",
+        "t",
+        {"message_id": "nul-nested", "headers": {"t": ("F", {"in": ("A", [("S", "x\x00")])})}},
+        b"{}",
+        "NUL",
+    ),
     (None, "t", {"message_id": "nul\x00id"}, b"{}", "message_id contains a NUL"),
     ("nul-type", "t", {"message_id": "nul-type", "type": "Ty\x00pe"}, b"{}", "type contains"),
     ("nul-routing-key", "t\x00k", {"message_id": "nul-routing-key"}, b"{}", "topic contains"),
-    ("nul-key", "t", {"message_id": "nul-key", "headers": {"x-relay-key": ("S", "k\x00")}},
-     b"{}", "key (x-relay-key) contains"),
+    (
+        "nul-key",
+        "t",
+        {"message_id": "nul-key", "headers": {"x-relay-key": ("S", "k\x00")}},
+        b"{}",
+        "key (x-relay-key) contains",
+    ),
     (None, "t", {"message_id": b"bad\xff\xfeid"}, b"{}", "message_id is not valid UTF-8"),
-    ("utf8-type", "t", {"message_id": "utf8-type", "type": b"T\xc3"}, b"{}",
-     "type is not valid UTF-8"),
-    ("utf8-header-name", "t", {"message_id": "utf8-header-name",
-                               "headers": {b"h\xff": ("S", "v")}}, b"{}", "not valid UTF-8"),
-    ("utf8-header-value", "t", {"message_id": "utf8-header-value",
-                                "headers": {"h": ("S", b"\xff")}}, b"{}", "not valid UTF-8"),
-    ("utf8-routing-key", b"t\xff", {"message_id": "utf8-routing-key"}, b"{}",
-     "topic is not valid UTF-8"),
-    ("timestamp-past-9999", "t", {"message_id": "timestamp-past-9999", "type": "Effect",
-                                  "timestamp": 2**63 - 1}, b"{}", None),
-    ("deep-body", "t", {"message_id": "deep-body", "type": "Effect"},
-     b"[" * 1100 + b"]" * 1100, "nested 1100 levels"),
-    ("deep-body-big-int", "t", {"message_id": "deep-body-big-int", "type": "Effect"},
-     b"[" * 1100 + b"123456789012345678901234567890" + b"]" * 1100, "nested 1100 levels"),
-    ("long-key", "t", {"message_id": "long-key", "type": "Effect",
-                       "headers": {"x-relay-key": ("S", "k" * 10_000)}}, b"{}",
-     "longer than relay's limit"),
-    ("byte-array-header", "t", {"message_id": "byte-array-header", "type": "Effect",
-                                "headers": {"b": ("x", b"bytes"), "bin": ("x", b"\xff\x00")}},
-     b"{}", None),
-    ("deep-headers", "t", {"message_id": "deep-headers", "type": "Effect",
-                           "headers": {"d": ("F", {})}}, b"{}", "nested deeper"),
+    (
+        "utf8-type",
+        "t",
+        {"message_id": "utf8-type", "type": b"T\xc3"},
+        b"{}",
+        "type is not valid UTF-8",
+    ),
+    (
+        "utf8-header-name",
+        "t",
+        {"message_id": "utf8-header-name", "headers": {b"h\xff": ("S", "v")}},
+        b"{}",
+        "not valid UTF-8",
+    ),
+    (
+        "utf8-header-value",
+        "t",
+        {"message_id": "utf8-header-value", "headers": {"h": ("S", b"\xff")}},
+        b"{}",
+        "not valid UTF-8",
+    ),
+    (
+        "utf8-routing-key",
+        b"t\xff",
+        {"message_id": "utf8-routing-key"},
+        b"{}",
+        "topic is not valid UTF-8",
+    ),
+    (
+        "timestamp-past-9999",
+        "t",
+        {"message_id": "timestamp-past-9999", "type": "Effect", "timestamp": 2**63 - 1},
+        b"{}",
+        None,
+    ),
+    (
+        "deep-body",
+        "t",
+        {"message_id": "deep-body", "type": "Effect"},
+        b"[" * 1100 + b"]" * 1100,
+        "nested 1100 levels",
+    ),
+    (
+        "deep-body-big-int",
+        "t",
+        {"message_id": "deep-body-big-int", "type": "Effect"},
+        b"[" * 1100 + b"123456789012345678901234567890" + b"]" * 1100,
+        "nested 1100 levels",
+    ),
+    (
+        "long-key",
+        "t",
+        {
+            "message_id": "long-key",
+            "type": "Effect",
+            "headers": {"x-relay-key": ("S", "k" * 10_000)},
+        },
+        b"{}",
+        "longer than relay's limit",
+    ),
+    (
+        "byte-array-header",
+        "t",
+        {
+            "message_id": "byte-array-header",
+            "type": "Effect",
+            "headers": {"b": ("x", b"bytes"), "bin": ("x", b"\xff\x00")},
+        },
+        b"{}",
+        None,
+    ),
+    (
+        "deep-headers",
+        "t",
+        {"message_id": "deep-headers", "type": "Effect", "headers": {"d": ("F", {})}},
+        b"{}",
+        "nested deeper",
+    ),
 ]
 
 
-async def test_every_hostile_delivery_is_one_row_and_the_rest_is_handled(
-        effects, rabbit, inbox):
+async def test_every_hostile_delivery_is_one_row_and_the_rest_is_handled(effects, rabbit, inbox):
     daemon = inbox()
     channel = await raw_channel(rabbit)
     for name, routing_key, given, body, _ in CASES:
@@ -88,8 +166,7 @@ async def test_every_hostile_delivery_is_one_row_and_the_rest_is_handled(
         if name == "deep-headers":
             properties["headers"] = {"d": amqp_raw.deep_table_value(300)}
         await amqp_raw.publish(channel, rabbit.exchange, routing_key, body, **properties)
-    await amqp_raw.publish(channel, rabbit.exchange, "t", b"{}", message_id="canary",
-                           type="Effect")
+    await amqp_raw.publish(channel, rabbit.exchange, "t", b"{}", message_id="canary", type="Effect")
     wait_until(lambda: "canary" in effect_ids(effects), timeout=30)
     assert daemon.proc.poll() is None, daemon.log
 
@@ -111,8 +188,9 @@ async def test_every_hostile_delivery_is_one_row_and_the_rest_is_handled(
     # Bytes a byte array carries come back as text, or as base64 when they
     # are not UTF-8 (or hold a NUL): never as a Python repr.
     headers = by_id["byte-array-header"][6]
-    assert headers["b"] == "bytes" and headers["bin"] == {"base64": base64.b64encode(
-        b"\xff\x00").decode()}
+    assert headers["b"] == "bytes" and headers["bin"] == {
+        "base64": base64.b64encode(b"\xff\x00").decode()
+    }
     # The properties as received: the content header's exact bytes.
     raw = by_id["nul-type"][8]
     assert raw["routing_key"] == "t"
@@ -130,18 +208,25 @@ async def test_every_hostile_delivery_is_one_row_and_the_rest_is_handled(
 
 
 async def test_pending_rows_that_no_handler_can_be_given_go_dead_and_the_rest_run(
-        effects, rabbit, inbox):
+    effects, rabbit, inbox
+):
     """Rows stored by hand (or by an older relay) that the dispatcher cannot
     decode fail only themselves, on the first try, and never crash it."""
     consumer = f"{rabbit.exchange}.in"
     deep_big = "[" * 1100 + "123456789012345678901234567890" + "]" * 1100
-    rows(effects, "INSERT INTO inbox (consumer, message_id, type, payload) VALUES "
-                  "(:c, 'deep-big', 'Effect', CAST(:p AS jsonb)), "
-                  "(:c, 'after', 'Effect', '{}')", c=consumer, p=deep_big)
+    rows(
+        effects,
+        "INSERT INTO inbox (consumer, message_id, type, payload) VALUES "
+        "(:c, 'deep-big', 'Effect', CAST(:p AS jsonb)), "
+        "(:c, 'after', 'Effect', '{}')",
+        c=consumer,
+        p=deep_big,
+    )
     daemon = inbox()
     wait_until(lambda: effect_ids(effects) == ["after"])
     status, attempts, error = rows(
-        effects, "SELECT status, attempts, last_error FROM inbox WHERE message_id = 'deep-big'")[0]
+        effects, "SELECT status, attempts, last_error FROM inbox WHERE message_id = 'deep-big'"
+    )[0]
     assert (status, attempts) == ("dead", 1)
     assert "nested 1100 levels" in error
     time.sleep(0.5)
@@ -151,12 +236,19 @@ async def test_pending_rows_that_no_handler_can_be_given_go_dead_and_the_rest_ru
 async def test_a_handler_error_holding_a_nul_is_recorded(effects, rabbit, inbox):
     """last_error is text PostgreSQL takes, whatever the exception said."""
     inbox()
-    await rabbit.publish("t", orjson.dumps({"message": "bad<NUL>news"}), message_id="nul-error",
-                         type="RaisesPayloadMessage")
+    await rabbit.publish(
+        "t",
+        orjson.dumps({"message": "bad<NUL>news"}),
+        message_id="nul-error",
+        type="RaisesPayloadMessage",
+    )
     await rabbit.publish("t", b"{}", message_id="after", type="Effect")
     wait_until(lambda: effect_ids(effects) == ["after"])
-    wait_until(lambda: rows(effects, "SELECT attempts FROM inbox "
-                                     "WHERE message_id = 'nul-error'")[0][0] >= 1)
+    wait_until(
+        lambda: (
+            rows(effects, "SELECT attempts FROM inbox WHERE message_id = 'nul-error'")[0][0] >= 1
+        )
+    )
     error = rows(effects, "SELECT last_error FROM inbox WHERE message_id = 'nul-error'")[0][0]
     assert "bad\\x00news" in error
 
@@ -171,16 +263,22 @@ def test_a_content_header_pamqp_cannot_decode_becomes_an_empty_one_that_says_why
     from relay.brokers import amqp_lenient
 
     amqp_lenient.install()
-    lenient = amqp_raw.frame(2, 1, amqp_raw.content_header(
-        2, message_id=b"id\xff", timestamp=2**63 - 1, headers={b"n\xfe": ("S", "v")}))
+    lenient = amqp_raw.frame(
+        2,
+        1,
+        amqp_raw.content_header(
+            2, message_id=b"id\xff", timestamp=2**63 - 1, headers={b"n\xfe": ("S", "v")}
+        ),
+    )
     _, _, header = frame.unmarshal(lenient)
     assert header.properties.message_id == "id\udcff"  # lossless: surrogate escapes
     assert header.properties.timestamp == 2**63 - 1
     assert header.properties.headers == {"n\udcfe": "v"}
     assert b"\x02n\xfeS\x00\x00\x00\x01v" in header.relay_raw
 
-    deep = amqp_raw.content_header(2, message_id="deep",
-                                   headers={"d": amqp_raw.deep_table_value(3000)})
+    deep = amqp_raw.content_header(
+        2, message_id="deep", headers={"d": amqp_raw.deep_table_value(3000)}
+    )
     _, _, header = frame.unmarshal(amqp_raw.frame(2, 1, deep))
     assert header.body_size == 2 and header.properties.message_id is None
     assert "RecursionError" in header.relay_undecodable
@@ -192,33 +290,65 @@ def _attrs(**values):
 
 
 async def test_sqs_messages_whose_attributes_cannot_be_stored_are_kept_dead(
-        effects, sqs, start_relay):
+    effects, sqs, start_relay
+):
     """The same rule through SQS: a `headers` attribute whose JSON holds a NUL
     (\\u0000) or nests too deep, an id or key past the index limit, binary
     attributes; each one row, the canary handled, the queue left empty."""
     queue = sqs.name("poison")
     sqs.create(queue)
     cases = [
-        ("nul-header", _attrs(message_id="nul-header", type="Effect",
-                              headers='{"h": "a\\u0000b"}'), "NUL"),
-        ("deep-headers", _attrs(message_id="deep-headers", type="Effect",
-                                headers="[" * 300 + "]" * 300), None),
-        ("deep-object-headers", _attrs(message_id="deep-object-headers", type="Effect",
-                                       headers='{"a":' * 300 + "1" + "}" * 300), "nested deeper"),
+        (
+            "nul-header",
+            _attrs(message_id="nul-header", type="Effect", headers='{"h": "a\\u0000b"}'),
+            "NUL",
+        ),
+        (
+            "deep-headers",
+            _attrs(message_id="deep-headers", type="Effect", headers="[" * 300 + "]" * 300),
+            None,
+        ),
+        (
+            "deep-object-headers",
+            _attrs(
+                message_id="deep-object-headers",
+                type="Effect",
+                headers='{"a":' * 300 + "1" + "}" * 300,
+            ),
+            "nested deeper",
+        ),
         (None, _attrs(message_id="i" * 2000, type="Effect"), "message_id is longer"),
-        ("long-key", _attrs(message_id="long-key", type="Effect", key="k" * 10_000),
-         "key (x-relay-key) is longer"),
-        ("binary", {**_attrs(message_id="binary", type="Effect"),
-                    "blob": {"DataType": "Binary", "BinaryValue": b"\xff\x00"}}, None),
+        (
+            "long-key",
+            _attrs(message_id="long-key", type="Effect", key="k" * 10_000),
+            "key (x-relay-key) is longer",
+        ),
+        (
+            "binary",
+            {
+                **_attrs(message_id="binary", type="Effect"),
+                "blob": {"DataType": "Binary", "BinaryValue": b"\xff\x00"},
+            },
+            None,
+        ),
     ]
     for _, attributes, _ in cases:
-        sqs.client.send_message(QueueUrl=sqs.urls[queue], MessageBody="{}",
-                                MessageAttributes=attributes)
-    sqs.client.send_message(QueueUrl=sqs.urls[queue], MessageBody="{}",
-                            MessageAttributes=_attrs(message_id="canary", type="Effect"))
-    daemon = start_relay("inbox", "--queue", queue, "--handlers",
-                         "tests.apps.handlers:registry",
-                         env={"RELAY_BROKER_URL": "sqs://", **sqs.env})
+        sqs.client.send_message(
+            QueueUrl=sqs.urls[queue], MessageBody="{}", MessageAttributes=attributes
+        )
+    sqs.client.send_message(
+        QueueUrl=sqs.urls[queue],
+        MessageBody="{}",
+        MessageAttributes=_attrs(message_id="canary", type="Effect"),
+    )
+    daemon = start_relay(
+        "inbox",
+        "--queue",
+        queue,
+        "--handlers",
+        "tests.apps.handlers:registry",
+        env={"RELAY_BROKER_URL": "sqs://", **sqs.env},
+    )
     wait_until(lambda: "canary" in effect_ids(effects), timeout=60)
     found = {r[0]: r for r in stored(effects)}
     assert len(found) == len(cases) + 1, sorted(found)
@@ -228,15 +358,20 @@ async def test_sqs_messages_whose_attributes_cannot_be_stored_are_kept_dead(
         else:
             row = found[name]
         if reason is None:
-            wait_until(lambda name=name: rows(
-                effects, "SELECT status FROM inbox WHERE message_id = :m",
-                m=name)[0][0] == "processed")
+            wait_until(
+                lambda name=name: (
+                    rows(effects, "SELECT status FROM inbox WHERE message_id = :m", m=name)[0][0]
+                    == "processed"
+                )
+            )
             continue
         assert row[1] == "dead" and reason in row[7], (name, row[7])
         assert row[8]["message_attributes"]["message_id"]["StringValue"] == (name or "i" * 2000)
     assert found["long-key"][3] is None
-    assert found["nul-header"][8]["message_attributes"]["headers"]["StringValue"] == \
-        '{"h": "a\\u0000b"}'
+    assert (
+        found["nul-header"][8]["message_attributes"]["headers"]["StringValue"]
+        == '{"h": "a\\u0000b"}'
+    )
     assert daemon.proc.poll() is None, daemon.log
     daemon.stop()
     assert daemon.proc.returncode == 0
@@ -256,20 +391,23 @@ def _nested(depth: int, leaf=1):
     return value
 
 
-@pytest.mark.parametrize(("arguments", "says"), [
-    ({"topic": "t\x00"}, "topic contains a NUL"),
-    ({"key": "k" * 1025}, "key is longer than 1024 bytes"),
-    ({"key": "k\ud800"}, "key is not valid UTF-8"),
-    ({"type": "T" * 256}, "type is longer than 255 bytes"),
-    ({"topic": "t" * 256}, "topic is longer than 255 bytes"),
-    ({"headers": {"h" * 256: "v"}}, "longer than 255 bytes"),
-    ({"headers": {"h": "v\x00"}}, "header 'h' contains a NUL"),
-    ({"payload": {"a": "\x00"}}, "a string in the payload contains a NUL"),
-    ({"payload": {"\x00": 1}}, "a key in the payload contains a NUL"),
-    ({"payload": [float("nan")]}, "JSON cannot carry"),
-    ({"payload": {"x": float("inf")}}, "JSON cannot carry"),
-    ({"payload": _nested(513)}, "nested more than 512 levels"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ({"topic": "t\x00"}, "topic contains a NUL"),
+        ({"key": "k" * 1025}, "key is longer than 1024 bytes"),
+        ({"key": "k\ud800"}, "key is not valid UTF-8"),
+        ({"type": "T" * 256}, "type is longer than 255 bytes"),
+        ({"topic": "t" * 256}, "topic is longer than 255 bytes"),
+        ({"headers": {"h" * 256: "v"}}, "longer than 255 bytes"),
+        ({"headers": {"h": "v\x00"}}, "header 'h' contains a NUL"),
+        ({"payload": {"a": "\x00"}}, "a string in the payload contains a NUL"),
+        ({"payload": {"\x00": 1}}, "a key in the payload contains a NUL"),
+        ({"payload": [float("nan")]}, "JSON cannot carry"),
+        ({"payload": {"x": float("inf")}}, "JSON cannot carry"),
+        ({"payload": _nested(513)}, "nested more than 512 levels"),
+    ],
+)
 def test_enqueue_refuses_what_relay_cannot_carry_and_writes_nothing(engine, arguments, says):
     call = {"topic": "t", "payload": {}, **arguments}
     with engine.begin() as conn, pytest.raises(ValueError, match=re.escape(says)):
@@ -279,8 +417,14 @@ def test_enqueue_refuses_what_relay_cannot_carry_and_writes_nothing(engine, argu
 
 def test_enqueue_takes_what_relay_can_carry_at_its_limits(engine):
     with engine.begin() as conn:
-        relay.enqueue(conn, "t" * 255, _nested(512), key="k" * 1024, type="T" * 255,
-                      headers={"h" * 255: "v" * 10_000})
+        relay.enqueue(
+            conn,
+            "t" * 255,
+            _nested(512),
+            key="k" * 1024,
+            type="T" * 255,
+            headers={"h" * 255: "v" * 10_000},
+        )
     assert rows(engine, "SELECT count(*) FROM outbox")[0][0] == 1
 
 
@@ -300,13 +444,20 @@ async def test_outbox_once_fails_only_the_rows_it_cannot_carry(engine, rabbit, r
     with engine.begin() as conn:
         relay.enqueue(conn, "t", {"n": 1})
         for name, (topic, key, payload, headers, _) in bad.items():
-            conn.execute(sa.text(
-                "INSERT INTO outbox (topic, key, type, payload, headers) "
-                "VALUES (:topic, :key, :type, CAST(:payload AS jsonb), CAST(:headers AS jsonb))"),
-                {"topic": topic, "key": key, "type": name, "payload": payload,
-                 "headers": headers})
-        conn.execute(sa.text("INSERT INTO outbox (topic, type, payload) "
-                             "VALUES ('t', 'deep-300', CAST(:p AS jsonb))"), {"p": deep_300})
+            conn.execute(
+                sa.text(
+                    "INSERT INTO outbox (topic, key, type, payload, headers) "
+                    "VALUES (:topic, :key, :type, CAST(:payload AS jsonb), CAST(:headers AS jsonb))"
+                ),
+                {"topic": topic, "key": key, "type": name, "payload": payload, "headers": headers},
+            )
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (topic, type, payload) "
+                "VALUES ('t', 'deep-300', CAST(:p AS jsonb))"
+            ),
+            {"p": deep_300},
+        )
         relay.enqueue(conn, "t", {"n": 2}, key="held", type="after-held-head")
         relay.enqueue(conn, "t", {"n": 3})
     result = run_relay("outbox", "--once", "--exchange", rabbit.exchange)
@@ -319,8 +470,12 @@ async def test_outbox_once_fails_only_the_rows_it_cannot_carry(engine, rabbit, r
     assert sorted(m.type or "" for m in got) == ["", "", "after-held-head", "deep-300"]
     deep = next(m for m in got if m.type == "deep-300")
     assert deep.body == deep_300.replace(" ", "").encode()  # compact, the big number exact
-    status = {t: (s, e) for t, s, e in rows(
-        engine, "SELECT type, status, last_error FROM outbox WHERE type IS NOT NULL")}
+    status = {
+        t: (s, e)
+        for t, s, e in rows(
+            engine, "SELECT type, status, last_error FROM outbox WHERE type IS NOT NULL"
+        )
+    }
     for name, (*_, says) in bad.items():
         assert status[name][0] == "dead" and says in status[name][1], (name, status[name])
     assert status["after-held-head"][0] == "published"
@@ -337,21 +492,25 @@ async def _rejecting_queue(rabbit, pattern: str):
     channel = await rabbit.connection.channel()
     exchange = await channel.declare_exchange(rabbit.exchange, "topic", durable=True)
     queue = await channel.declare_queue(
-        f"{rabbit.exchange}.rejecting", durable=True,
-        arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+        f"{rabbit.exchange}.rejecting",
+        durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
     rabbit.queues.append(queue.name)
     await queue.bind(exchange, pattern)
     return channel, queue
 
 
 def _outbox(engine, key):
-    return rows(engine, "SELECT id, status, attempts FROM outbox WHERE key = :k ORDER BY seq",
-                k=key)
+    return rows(
+        engine, "SELECT id, status, attempts FROM outbox WHERE key = :k ORDER BY seq", k=key
+    )
 
 
 @pytest.mark.parametrize("on_dead", ["skip", "block"])
 async def test_a_key_whose_head_keeps_failing_holds_its_later_rows(
-        engine, rabbit, start_relay, run_relay, on_dead):
+    engine, rabbit, start_relay, run_relay, on_dead
+):
     """The head of key k is nacked again and again; rows of k committed after
     its first failure wait (other keys flow), and once the head goes out
     (fixed, or retried from dead) the key resumes in order."""
@@ -359,9 +518,21 @@ async def test_a_key_whose_head_keeps_failing_holds_its_later_rows(
     ok = await rabbit.queue("later", "other")
     with engine.begin() as conn:
         head = relay.enqueue(conn, "stuck", {"n": 1}, key="k")
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.2",
-                         "--backoff-min", "0.2", "--backoff-max", "0.3", "--on-dead", on_dead,
-                         "--max-attempts", "4" if on_dead == "block" else "1000")
+    daemon = start_relay(
+        "outbox",
+        "--exchange",
+        rabbit.exchange,
+        "--poll-interval",
+        "0.2",
+        "--backoff-min",
+        "0.2",
+        "--backoff-max",
+        "0.3",
+        "--on-dead",
+        on_dead,
+        "--max-attempts",
+        "4" if on_dead == "block" else "1000",
+    )
     wait_until(lambda: _outbox(engine, "k")[0][2] >= 1)
     with engine.begin() as conn:
         later = [relay.enqueue(conn, "later", {"n": n}, key="k") for n in (2, 3)]
@@ -394,17 +565,21 @@ async def test_inbox_dispatches_a_failing_heads_key_head_first(effects, rabbit, 
     """The same for the inbox: rows of a key that arrive while its head is
     failing wait, untouched, until the head is dead (skip) and then run."""
     inbox("--max-attempts", "4")
-    await rabbit.publish("t", b"{}", message_id="a-1", type="AlwaysFails",
-                         headers={"x-relay-key": "a"})
-    wait_until(lambda: rows(effects, "SELECT attempts >= 1 FROM inbox "
-                                     "WHERE message_id = 'a-1'") == [(True,)])
-    await rabbit.publish("t", b"{}", message_id="a-2", type="Effect",
-                         headers={"x-relay-key": "a"})
-    await rabbit.publish("t", b"{}", message_id="b-1", type="Effect",
-                         headers={"x-relay-key": "b"})
+    await rabbit.publish(
+        "t", b"{}", message_id="a-1", type="AlwaysFails", headers={"x-relay-key": "a"}
+    )
+    wait_until(
+        lambda: (
+            rows(effects, "SELECT attempts >= 1 FROM inbox WHERE message_id = 'a-1'") == [(True,)]
+        )
+    )
+    await rabbit.publish("t", b"{}", message_id="a-2", type="Effect", headers={"x-relay-key": "a"})
+    await rabbit.publish("t", b"{}", message_id="b-1", type="Effect", headers={"x-relay-key": "b"})
     wait_until(lambda: effect_ids(effects) == ["b-1"])
     assert rows(effects, "SELECT status, attempts FROM inbox WHERE message_id = 'a-2'") == [
-        ("pending", 0)]
-    wait_until(lambda: rows(effects, "SELECT status FROM inbox WHERE message_id = 'a-1'")
-               == [("dead",)])
+        ("pending", 0)
+    ]
+    wait_until(
+        lambda: rows(effects, "SELECT status FROM inbox WHERE message_id = 'a-1'") == [("dead",)]
+    )
     wait_until(lambda: effect_ids(effects) == ["b-1", "a-2"])

@@ -42,10 +42,16 @@ class Receiving:
         self.consumer = self.broker.consumer("in")
         self.writer = InboxWriter(database)
         self.reports: list[tuple[int, int, int]] = []
-        settings = InboxSettings(database_url=database, broker=BrokerURL.parse(AMQP_URL),
-                                 queue="in", batch_size=10)
-        self.receiver = Receiver(settings, self.writer, self.consumer, Open(),
-                                 lambda *report: self.reports.append(report))
+        settings = InboxSettings(
+            database_url=database, broker=BrokerURL.parse(AMQP_URL), queue="in", batch_size=10
+        )
+        self.receiver = Receiver(
+            settings,
+            self.writer,
+            self.consumer,
+            Open(),
+            lambda *report: self.reports.append(report),
+        )
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -86,8 +92,9 @@ async def test_a_batch_lost_before_its_ack_comes_again_and_is_stored_once(
     ack = MemoryConsumer.ack
     lost: list[int] = []
 
-    async def ack_after_a_lost_connection(consumer: MemoryConsumer,
-                                          batch: Sequence[Incoming]) -> None:
+    async def ack_after_a_lost_connection(
+        consumer: MemoryConsumer, batch: Sequence[Incoming]
+    ) -> None:
         if not lost:  # the first ack: the connection breaks first, once
             lost.append(len(batch))
             receiving.broker.disconnect()
@@ -114,4 +121,7 @@ async def test_a_broker_down_at_start_is_waited_for_and_nothing_is_lost(engine, 
     receiving.broker.come_back()
     await receiving.received(3)
     assert rows(engine, "SELECT message_id FROM inbox ORDER BY message_id") == [
-        ("m-0",), ("m-1",), ("m-2",)]
+        ("m-0",),
+        ("m-1",),
+        ("m-2",),
+    ]

@@ -21,7 +21,10 @@ def test_quick_benchmark_runs_every_scenario(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, "-m", "bench.run", "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -29,5 +32,14 @@ def test_quick_benchmark_runs_every_scenario(tmp_path):
     for name, state in report["scenarios"].items():
         assert "error" not in state, (name, state.get("error"))
     assert set(report["scenarios"]) >= {
-        "limit_pg", "limit_amqp", "naive", "drain", "latency", "inbox", "sqs", "memory", "scale"}
+        "limit_pg",
+        "limit_amqp",
+        "naive",
+        "drain",
+        "latency",
+        "inbox",
+        "sqs",
+        "memory",
+        "scale",
+    }
     assert report["figures"], "no figures recorded"

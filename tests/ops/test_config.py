@@ -33,8 +33,16 @@ SECRET = "s3cr3t-Pa55"
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [
-        ("90s", 90), ("30m", 1800), ("24h", 86400), ("7d", 604800), ("15", 15),
-        ("1.5h", 5400), (" 10m ", 600), ("0.5", 0.5), (15, 15), (2.5, 2.5),
+        ("90s", 90),
+        ("30m", 1800),
+        ("24h", 86400),
+        ("7d", 604800),
+        ("15", 15),
+        ("1.5h", 5400),
+        (" 10m ", 600),
+        ("0.5", 0.5),
+        (15, 15),
+        (2.5, 2.5),
     ],
 )
 def test_parse_duration(text, seconds):
@@ -42,7 +50,8 @@ def test_parse_duration(text, seconds):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "abc", "10x", "1w", "-5", "-5s", "0", "0s", "m", "5 5s", "1e3", 0, -1],
+    "text",
+    ["", "abc", "10x", "1w", "-5", "-5s", "0", "0s", "m", "5 5s", "1e3", 0, -1],
 )
 def test_parse_duration_rejects_bad_values(text):
     with pytest.raises(ConfigError, match="invalid duration"):
@@ -116,7 +125,10 @@ def test_broker_url_sqs():
     assert (plain.kind, plain.sqs_region, plain.sqs_endpoint_url) == ("sqs", None, None)
     full = BrokerURL.parse("sqs://?region=eu-west-1&endpoint_url=http://localhost:9324")
     assert (full.kind, full.sqs_region, full.sqs_endpoint_url) == (
-        "sqs", "eu-west-1", "http://localhost:9324")
+        "sqs",
+        "eu-west-1",
+        "http://localhost:9324",
+    )
     assert BrokerURL.parse("sqs://?region=us-east-1").sqs_region == "us-east-1"
 
 
@@ -178,8 +190,12 @@ def test_redact_url(url, redacted):
 
 
 @pytest.mark.parametrize(
-    "url", [f"postgresql:/app:{SECRET}@db/shop", f"app:{SECRET}@db/shop",
-            f"postgresql:app:{SECRET}@db/shop"],
+    "url",
+    [
+        f"postgresql:/app:{SECRET}@db/shop",
+        f"app:{SECRET}@db/shop",
+        f"postgresql:app:{SECRET}@db/shop",
+    ],
 )
 def test_redact_url_hides_the_password_of_a_malformed_url(url):
     assert SECRET not in redact_url(url)
@@ -290,7 +306,10 @@ def test_setup_masks_secrets_on_stderr(monkeypatch):
 def test_a_database_url_with_a_bad_port_exits_2_with_one_line():
     result = subprocess.run(
         [*RELAY, "status", "--database-url", f"postgresql://app:{SECRET}@127.0.0.1:abc/x"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -37,8 +37,9 @@ def console(database: str) -> Iterator[TestClient]:
 
 @pytest.fixture
 def signed_in(console: TestClient) -> TestClient:
-    response = console.post("/login", data={"token": TOKEN, "next": "/dead"}, headers=ORIGIN,
-                            follow_redirects=False)
+    response = console.post(
+        "/login", data={"token": TOKEN, "next": "/dead"}, headers=ORIGIN, follow_redirects=False
+    )
     assert response.status_code == 303 and response.headers["location"] == "/dead"
     assert COOKIE in console.cookies
     return console
@@ -53,10 +54,16 @@ def csrf_of(page: str) -> str:
 def test_every_page_answers_html_with_a_strict_policy(engine, console):
     [row_id] = dead_outbox(engine)
     dead_inbox(engine, "m-1")
-    for path in ["/", "/dead", "/keys", f"/message?table=outbox&id={row_id}",
-                 "/message?id=m-1&consumer=billing", f"/edit?id={row_id}",
-                 "/dead?table=inbox&group=ValueError%3A+order+7+has+no+lines",
-                 "/static/console.css"]:
+    for path in [
+        "/",
+        "/dead",
+        "/keys",
+        f"/message?table=outbox&id={row_id}",
+        "/message?id=m-1&consumer=billing",
+        f"/edit?id={row_id}",
+        "/dead?table=inbox&group=ValueError%3A+order+7+has+no+lines",
+        "/static/console.css",
+    ]:
         response = console.get(path)
         assert response.status_code == 200, path
         assert "default-src 'none'" in response.headers["content-security-policy"]
@@ -74,8 +81,10 @@ def test_pages_load_nothing_from_another_server(engine, console):
 
 def test_a_payload_holding_a_script_tag_is_shown_as_text(engine, console):
     [row_id] = dead_outbox(
-        engine, payload='{"note": "<script>alert(1)</script>", "x": "<img src=x onerror=a()>"}',
-        error="<b>bold</b> error")
+        engine,
+        payload='{"note": "<script>alert(1)</script>", "x": "<img src=x onerror=a()>"}',
+        error="<b>bold</b> error",
+    )
     dead_inbox(engine, "evil", payload=None, body=b"<script>alert(2)</script>")
     page = console.get(f"/message?table=outbox&id={row_id}").text
     assert "<script>" not in page and "<img" not in page and "<b>bold" not in page
@@ -91,8 +100,10 @@ def test_read_only_without_a_token_refuses_every_action(engine, database):
     with client(database, token=None) as c:
         page = c.get(f"/message?table=outbox&id={row_id}").text
         assert "read only" in page and 'value="retry"' not in page
-        for data in ({"action": "retry", "table": "outbox", "id": row_id, "confirm": "yes"},
-                     {"action": "discard-all", "confirm": "yes"}):
+        for data in (
+            {"action": "retry", "table": "outbox", "id": row_id, "confirm": "yes"},
+            {"action": "discard-all", "confirm": "yes"},
+        ):
             response = c.post("/action", data=data, headers=ORIGIN)
             assert response.status_code == 403 and "read only" in response.text
         assert c.post("/login", data={"token": ""}, headers=ORIGIN).status_code == 403
@@ -143,15 +154,24 @@ def test_retry_asks_for_confirmation_then_says_what_it_did(engine, signed_in):
 def test_edit_and_retry_an_inbox_row(engine, signed_in):
     dead_inbox(engine, "m-1", consumer="billing")
     page = signed_in.get("/edit?table=inbox&id=m-1&consumer=billing").text
-    data = {"action": "edit", "table": "inbox", "id": "m-1", "consumer": "billing",
-            "csrf": csrf_of(page), "payload": '{"a": 2}', "headers": '{"h": "v"}'}
-    bad = signed_in.post("/action", data={**data, "payload": "{nope", "confirm": "yes"},
-                         headers=ORIGIN)
+    data = {
+        "action": "edit",
+        "table": "inbox",
+        "id": "m-1",
+        "consumer": "billing",
+        "csrf": csrf_of(page),
+        "payload": '{"a": 2}',
+        "headers": '{"h": "v"}',
+    }
+    bad = signed_in.post(
+        "/action", data={**data, "payload": "{nope", "confirm": "yes"}, headers=ORIGIN
+    )
     assert bad.status_code == 400 and "not usable JSON" in bad.text
     done = signed_in.post("/action", data={**data, "confirm": "yes"}, headers=ORIGIN)
     assert done.status_code == 200 and "Edited and retried" in done.text
     assert rows(engine, "SELECT payload, headers, status FROM inbox") == [
-        ({"a": 2}, {"h": "v"}, "pending")]
+        ({"a": 2}, {"h": "v"}, "pending")
+    ]
 
 
 def test_discard_all_of_a_group_keeps_copies(engine, signed_in):
@@ -161,8 +181,9 @@ def test_discard_all_of_a_group_keeps_copies(engine, signed_in):
     data = {"action": "discard-all", "group": "boom", "table": "outbox", "csrf": csrf}
     asked = signed_in.post("/action", data=data, headers=ORIGIN)
     assert "Discard 3 dead rows" in asked.text
-    done = signed_in.post("/action", data={**data, "confirm": "yes", "reason": "dup"},
-                          headers=ORIGIN)
+    done = signed_in.post(
+        "/action", data={**data, "confirm": "yes", "reason": "dup"}, headers=ORIGIN
+    )
     assert "Discarded 3 outbox rows" in done.text
     assert set(statuses(engine, "outbox")) == {other}
     assert rows(engine, "SELECT count(*), min(reason) FROM relay_discarded") == [(3, "dup")]
@@ -170,16 +191,21 @@ def test_discard_all_of_a_group_keeps_copies(engine, signed_in):
 
 def test_a_bearer_token_client_needs_no_cookie(engine, console):
     [row_id] = dead_outbox(engine)
-    done = console.post("/action", data={"action": "retry", "table": "outbox", "id": row_id,
-                                         "confirm": "yes"},
-                        headers={"authorization": f"Bearer {TOKEN}"})
+    done = console.post(
+        "/action",
+        data={"action": "retry", "table": "outbox", "id": row_id, "confirm": "yes"},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
     assert done.status_code == 200 and statuses(engine, "outbox")[row_id] == "pending"
 
 
 def test_overview_counts_and_blocked_keys(engine, console):
     dead_outbox(engine, 2, key="order-9")
-    rows(engine, "INSERT INTO outbox (topic, payload, status, published_at) "
-                 "SELECT 't', '{}', 'published', now() FROM generate_series(1, 7)")
+    rows(
+        engine,
+        "INSERT INTO outbox (topic, payload, status, published_at) "
+        "SELECT 't', '{}', 'published', now() FROM generate_series(1, 7)",
+    )
     dead_inbox(engine, "m-1", consumer="billing")
     page = console.get("/").text
     assert "inbox · billing" in page
@@ -201,8 +227,9 @@ def test_relay_console_serves_on_loopback_by_default(start_relay):
             return None
 
     assert "<html" in wait_until(page, timeout=30)
-    listening = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True,
-                               text=True, check=True).stdout
+    listening = subprocess.run(
+        ["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout
     assert [line.split()[3] for line in listening.splitlines()] == [f"127.0.0.1:{port}"]
     proc.signal(signal.SIGTERM)
     assert proc.wait(15) == 0, proc.log

@@ -23,8 +23,15 @@ from tests.ops.test_dead import dead_inbox, dead_outbox
 
 CHROMIUM = "/usr/bin/chromium"
 TOKEN = "browser-test-token"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 SHOTS = os.environ.get("RELAY_SCREENSHOTS")
 
 
@@ -71,17 +78,28 @@ async def shot(page: Any, name: str) -> None:
 
 
 async def test_find_edit_and_retry_a_dead_message_until_it_is_published(
-        engine, rabbit, run_relay, browser, console_url):
+    engine, rabbit, run_relay, browser, console_url
+):
     queue = await rabbit.queue("orders.#")
-    [row_id] = dead_outbox(engine, payload='{"order_id": "seven", "note": "<script>x</script>"}',
-                           error="PayloadRejected: order_id must be a number\n  (schema v3)")
-    dead_outbox(engine, key="customer-9", topic="billing.charge",
-                error="NOT_FOUND - no exchange 'billing' in vhost '/'")
+    [row_id] = dead_outbox(
+        engine,
+        payload='{"order_id": "seven", "note": "<script>x</script>"}',
+        error="PayloadRejected: order_id must be a number\n  (schema v3)",
+    )
+    dead_outbox(
+        engine,
+        key="customer-9",
+        topic="billing.charge",
+        error="NOT_FOUND - no exchange 'billing' in vhost '/'",
+    )
     dead_inbox(engine, "m-41", consumer="billing")
     dead_inbox(engine, "m-42", consumer="billing", payload=None, body=b"\xffnot json")
-    rows(engine, "INSERT INTO outbox (topic, payload, status, published_at) "
-                 "SELECT 'orders.placed', '{}', 'published', now() - i * interval '37 seconds' "
-                 "FROM generate_series(1, 400) i")
+    rows(
+        engine,
+        "INSERT INTO outbox (topic, payload, status, published_at) "
+        "SELECT 'orders.placed', '{}', 'published', now() - i * interval '37 seconds' "
+        "FROM generate_series(1, 400) i",
+    )
     page = await browser.new_page(viewport={"width": 1100, "height": 800})
     alerts: list[str] = []
     page.on("dialog", lambda d: alerts.append(d.message))
@@ -107,7 +125,8 @@ async def test_find_edit_and_retry_a_dead_message_until_it_is_published(
     await page.get_by_role("button", name="Yes, edit and retry").wait_for()
     await shot(page, "confirm")
     assert rows(engine, "SELECT status FROM outbox WHERE id = CAST(:i AS uuid)", i=row_id) == [
-        ("dead",)]
+        ("dead",)
+    ]
     await page.get_by_role("button", name="Yes, edit and retry").click()
     await page.get_by_text(f"Edited and retried outbox row {row_id}").wait_for()
     await shot(page, "done")
@@ -117,7 +136,8 @@ async def test_find_edit_and_retry_a_dead_message_until_it_is_published(
     [message] = await rabbit.drain(queue, 1)
     assert json.loads(message.body) == {"order_id": 7} and message.message_id == row_id
     assert rows(engine, "SELECT status FROM outbox WHERE id = CAST(:i AS uuid)", i=row_id) == [
-        ("published",)]
+        ("published",)
+    ]
     await page.goto(console_url + "/dead?table=outbox")
     await page.get_by_text("1 dead outbox row match").wait_for()  # the other one
     await page.goto(console_url + "/message?table=inbox&id=m-42&consumer=billing")
@@ -129,13 +149,22 @@ async def test_find_edit_and_retry_a_dead_message_until_it_is_published(
 
 
 async def test_every_page_fits_a_390_px_phone(engine, browser, console_url):
-    [row_id] = dead_outbox(engine, key="a-rather-long-key-" + "x" * 80,
-                           payload='{"long": "' + "y" * 300 + '"}',
-                           error="AVeryLongExceptionName: " + "z" * 300)
+    [row_id] = dead_outbox(
+        engine,
+        key="a-rather-long-key-" + "x" * 80,
+        payload='{"long": "' + "y" * 300 + '"}',
+        error="AVeryLongExceptionName: " + "z" * 300,
+    )
     dead_inbox(engine, "m-" + "9" * 120, consumer="a-consumer-with-a-long-name-" + "c" * 40)
     page = await browser.new_page(viewport={"width": 390, "height": 844})
-    paths = ["/", "/dead", "/keys", f"/message?table=outbox&id={row_id}",
-             f"/edit?table=outbox&id={row_id}", "/message?table=inbox&id=nope"]
+    paths = [
+        "/",
+        "/dead",
+        "/keys",
+        f"/message?table=outbox&id={row_id}",
+        f"/edit?table=outbox&id={row_id}",
+        "/message?table=inbox&id=nope",
+    ]
     for path in paths:
         await page.goto(console_url + path)
         width = await page.evaluate("document.scrollingElement.scrollWidth")
@@ -145,11 +174,14 @@ async def test_every_page_fits_a_390_px_phone(engine, browser, console_url):
 
 
 async def test_retry_a_non_json_inbox_message_until_its_handler_processed_it(
-        effects, rabbit, inbox, browser, console_url):
+    effects, rabbit, inbox, browser, console_url
+):
     daemon = inbox()
     await rabbit.publish("t", b"<not json/>", message_id="raw-7", type="RawBody")
-    wait_until(lambda: rows(effects, "SELECT 1 FROM inbox WHERE message_id = 'raw-7' "
-                                     "AND status = 'dead'"), timeout=30)
+    wait_until(
+        lambda: rows(effects, "SELECT 1 FROM inbox WHERE message_id = 'raw-7' AND status = 'dead'"),
+        timeout=30,
+    )
     page = await browser.new_page()
     await page.goto(console_url + "/dead?table=inbox")
     await page.get_by_role("link", name="raw-7").click()
@@ -160,11 +192,11 @@ async def test_retry_a_non_json_inbox_message_until_its_handler_processed_it(
     await page.get_by_role("button", name="Yes, retry").click()
     await page.get_by_text("Retried inbox row raw-7").wait_for()
 
-    seen = wait_until(lambda: rows(effects, "SELECT key FROM effects "
-                                            "WHERE message_id = 'raw-7'"), timeout=30)
+    seen = wait_until(
+        lambda: rows(effects, "SELECT key FROM effects WHERE message_id = 'raw-7'"), timeout=30
+    )
     assert seen == [("body:" + b"<not json/>".hex(),)]
     await page.goto(console_url + "/")
     card = page.locator("section.card", has_text="inbox · " + daemon.queue)
     assert "processed, last hour 1" in " ".join((await card.inner_text()).split())
-    assert rows(effects, "SELECT status FROM inbox WHERE message_id = 'raw-7'") == [
-        ("processed",)]
+    assert rows(effects, "SELECT status FROM inbox WHERE message_id = 'raw-7'") == [("processed",)]

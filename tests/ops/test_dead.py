@@ -18,26 +18,54 @@ TRACEBACK = """Traceback (most recent call last):
 ValueError: order 7 has no lines"""
 
 
-def dead_outbox(engine: sa.Engine, n: int = 1, *, topic: str = "orders.placed",
-                key: str | None = "order-1", error: str = "NOT_FOUND - no exchange 'x'",
-                payload: str = '{"order_id": 1}') -> list[str]:
-    found = rows(engine, """
+def dead_outbox(
+    engine: sa.Engine,
+    n: int = 1,
+    *,
+    topic: str = "orders.placed",
+    key: str | None = "order-1",
+    error: str = "NOT_FOUND - no exchange 'x'",
+    payload: str = '{"order_id": 1}',
+) -> list[str]:
+    found = rows(
+        engine,
+        """
         INSERT INTO outbox (topic, key, type, payload, status, attempts, last_error)
         SELECT :topic, :key, 'OrderPlaced', CAST(:payload AS jsonb), 'dead', 10, :error
         FROM generate_series(1, :n) RETURNING id::text""",
-                 topic=topic, key=key, error=error, n=n, payload=payload)
+        topic=topic,
+        key=key,
+        error=error,
+        n=n,
+        payload=payload,
+    )
     return [r[0] for r in found]
 
 
-def dead_inbox(engine: sa.Engine, message_id: str, *, consumer: str = "billing",
-               payload: str | None = '{"a": 1}', body: bytes | None = None,
-               error: str = TRACEBACK, type_: str = "OrderPlaced") -> None:
-    rows(engine, """
+def dead_inbox(
+    engine: sa.Engine,
+    message_id: str,
+    *,
+    consumer: str = "billing",
+    payload: str | None = '{"a": 1}',
+    body: bytes | None = None,
+    error: str = TRACEBACK,
+    type_: str = "OrderPlaced",
+) -> None:
+    rows(
+        engine,
+        """
         INSERT INTO inbox (consumer, message_id, topic, type, payload, body, headers,
                            status, attempts, last_error)
         VALUES (:c, :m, 'orders.placed', :t, CAST(:p AS jsonb), :b,
                 '{"traceparent": "00-abc-def-01"}', 'dead', 10, :e)""",
-         c=consumer, m=message_id, t=type_, p=payload, b=body, e=error)
+        c=consumer,
+        m=message_id,
+        t=type_,
+        p=payload,
+        b=body,
+        e=error,
+    )
 
 
 def statuses(engine: sa.Engine, table: str) -> dict[str, str]:
@@ -79,8 +107,7 @@ def test_list_filters_and_pages_by_keyset(engine, run_relay):
     assert len(listed("--error", "TIMEOUT")) == 2
     assert listed("--consumer", "shipping") == ["m-2"]
     assert listed("--table", "inbox", "--type", "OrderPlaced") == ["m-2", "m-1"]
-    assert listed("--group", "ValueError: order 7 has no lines", "--consumer", "billing") == [
-        "m-1"]
+    assert listed("--group", "ValueError: order 7 has no lines", "--consumer", "billing") == ["m-1"]
     assert listed("--older-than", "1h") == []
     assert len(listed("--newer-than", "1h")) == 9
 
@@ -171,12 +198,20 @@ def test_edit_replaces_the_payload_and_headers_then_retries(engine, run_relay, t
     assert statuses(engine, "outbox")[row_id] == "dead"  # bad input loses nothing
 
     (tmp_path / "p.json").write_text('{"order_id": 1, "fixed": true}')
-    result = run_relay("dead", "edit", row_id, "--payload", f"@{tmp_path / 'p.json'}",
-                       "--headers", '{"x-fixed-by": "ops"}')
+    result = run_relay(
+        "dead",
+        "edit",
+        row_id,
+        "--payload",
+        f"@{tmp_path / 'p.json'}",
+        "--headers",
+        '{"x-fixed-by": "ops"}',
+    )
     assert result.returncode == 0, result.stderr
     assert "retried" in result.stdout
     [(payload, headers, status, attempts)] = rows(
-        engine, "SELECT payload, headers, status, attempts FROM outbox")
+        engine, "SELECT payload, headers, status, attempts FROM outbox"
+    )
     assert payload == {"order_id": 1, "fixed": True} and headers == {"x-fixed-by": "ops"}
     assert (status, attempts) == ("pending", 0)
 
@@ -195,17 +230,25 @@ def test_discard_keeps_every_discarded_row_whole(engine, run_relay):
     assert result.returncode == 0 and "discarded 1 inbox row" in result.stdout
     assert statuses(engine, "inbox") == {}
 
-    copies = rows(engine, "SELECT source, message_id, consumer, row_data, reason "
-                          "FROM relay_discarded ORDER BY id")
+    copies = rows(
+        engine,
+        "SELECT source, message_id, consumer, row_data, reason FROM relay_discarded ORDER BY id",
+    )
     assert [(c[0], c[1], c[2], c[4]) for c in copies] == [
-        ("outbox", gone, None, "ticket 42"), ("inbox", "raw", "billing", None)]
+        ("outbox", gone, None, "ticket 42"),
+        ("inbox", "raw", "billing", None),
+    ]
     assert copies[0][3]["payload"] == {"order_id": 1} and copies[0][3]["attempts"] == 10
     assert copies[1][3]["body"] == "\\x00ff6279746573"  # the raw bytes, as bytea hex
 
 
 def test_bad_filters_and_cursors_exit_2_with_one_line(run_relay):
-    for args in (["--older-than", "soon"], ["--table", "outbox", "--consumer", "c"],
-                 ["--after", "outbox:x"], ["--limit", "-1"]):
+    for args in (
+        ["--older-than", "soon"],
+        ["--table", "outbox", "--consumer", "c"],
+        ["--after", "outbox:x"],
+        ["--limit", "-1"],
+    ):
         result = run_relay("dead", "list", *args)
         assert result.returncode == 2, (args, result.stdout)
         assert "Traceback" not in result.stderr and result.stderr.strip(), args
@@ -220,18 +263,26 @@ def test_discarded_table_matches_its_core_description(engine):
 
 
 async def test_a_retried_non_json_body_reaches_its_handler_as_raw_bytes(
-        effects, rabbit, inbox, run_relay):
+    effects, rabbit, inbox, run_relay
+):
     daemon = inbox()
     await rabbit.publish("t", b"\xffnot json", message_id="raw-1", type="RawBody")
     await rabbit.publish("t", b"null", message_id="null-1", type="RawBody")
-    wait_until(lambda: rows(effects, "SELECT 1 FROM inbox WHERE message_id = 'raw-1' "
-                                     "AND status = 'dead'"), timeout=30)
+    wait_until(
+        lambda: rows(effects, "SELECT 1 FROM inbox WHERE message_id = 'raw-1' AND status = 'dead'"),
+        timeout=30,
+    )
     wait_until(lambda: rows(effects, "SELECT 1 FROM effects WHERE message_id = 'null-1'"))
 
     result = run_relay("dead", "retry", "--id", "raw-1")
     assert result.returncode == 0, result.stderr
-    seen = wait_until(lambda: dict(rows(effects, "SELECT message_id, key FROM effects")).get(
-        "raw-1") and dict(rows(effects, "SELECT message_id, key FROM effects")), timeout=30)
+    seen = wait_until(
+        lambda: (
+            dict(rows(effects, "SELECT message_id, key FROM effects")).get("raw-1")
+            and dict(rows(effects, "SELECT message_id, key FROM effects"))
+        ),
+        timeout=30,
+    )
     assert seen["raw-1"] == "body:" + b"\xffnot json".hex()
     assert seen["null-1"] == "payload:None"  # a JSON null: no body
     assert daemon.proc.poll() is None
@@ -250,8 +301,11 @@ async def test_a_page_may_count_up_to_a_cap_and_group_only_the_newest_rows(engin
     dead_outbox(engine, 3, error="older")
     dead_outbox(engine, 2, error="newer")
     dead_inbox(engine, "m-1")
-    dead_inbox(engine, "m-2", error=TRACEBACK.replace("ValueError", "During handling:\n"
-                                                       "KeyError: 'x'\n\nValueError"))
+    dead_inbox(
+        engine,
+        "m-2",
+        error=TRACEBACK.replace("ValueError", "During handling:\nKeyError: 'x'\n\nValueError"),
+    )
     async with open_dead(database) as dead:
         # A page that holds every match groups its rows as the database does.
         everything = DeadFilter()
@@ -260,6 +314,7 @@ async def test_a_page_may_count_up_to_a_cap_and_group_only_the_newest_rows(engin
         assert await dead.count(where) == {"outbox": 5}
         assert await dead.count(where, cap=3) == {"outbox": 3}
         assert [(g.error, g.count) for g in await dead.groups(where)] == [
-            ("older", 3), ("newer", 2)]
-        assert [(g.error, g.count) for g in await dead.groups(where, newest=2)] == [
-            ("newer", 2)]
+            ("older", 3),
+            ("newer", 2),
+        ]
+        assert [(g.error, g.count) for g in await dead.groups(where, newest=2)] == [("newer", 2)]

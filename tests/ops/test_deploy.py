@@ -41,9 +41,11 @@ def _unit(name: str) -> dict[str, list[str]]:
 
 
 def _flags(command: str) -> set[str]:
-    return {envvar for param in cli.commands[command].params
-            for envvar in ([param.envvar] if isinstance(param.envvar, str)
-                           else param.envvar or [])}
+    return {
+        envvar
+        for param in cli.commands[command].params
+        for envvar in ([param.envvar] if isinstance(param.envvar, str) else param.envvar or [])
+    }
 
 
 # --------------------------------------------------------------------------
@@ -54,8 +56,9 @@ def _flags(command: str) -> set[str]:
 def test_systemd_units_pass_systemd_analyze_verify():
     if shutil.which("systemd-analyze") is None:
         _missing("systemd-analyze")
-    result = subprocess.run(["bash", str(SYSTEMD / "verify.sh")], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", str(SYSTEMD / "verify.sh")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK: systemd-analyze verify" in result.stdout
 
@@ -73,9 +76,17 @@ def test_systemd_units_notify_watchdog_stop_and_hardening(name):
     assert unit["RestartPreventExitStatus"] == ["2"]  # bad configuration
     assert unit["ExecStart"][0].startswith("/opt/relay/bin/relay ")
     assert unit["User"] == ["relay"]
-    for key in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp",
-                "PrivateDevices", "RestrictAddressFamilies", "SystemCallFilter",
-                "CapabilityBoundingSet", "MemoryDenyWriteExecute"):
+    for key in (
+        "NoNewPrivileges",
+        "ProtectSystem",
+        "ProtectHome",
+        "PrivateTmp",
+        "PrivateDevices",
+        "RestrictAddressFamilies",
+        "SystemCallFilter",
+        "CapabilityBoundingSet",
+        "MemoryDenyWriteExecute",
+    ):
         assert key in unit, key
 
 
@@ -105,16 +116,16 @@ def _compose() -> list[str]:
 
 
 def test_compose_file_passes_docker_compose_config():
-    result = subprocess.run([*_compose(), "config", "-q"], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [*_compose(), "config", "-q"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_compose_runs_the_servers_the_schema_both_daemons_and_a_demo():
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"postgres", "rabbitmq", "sqs", "schema", "outbox", "inbox",
-            "producer"} <= set(services)
+    assert {"postgres", "rabbitmq", "sqs", "schema", "outbox", "inbox", "producer"} <= set(services)
     assert services["schema"]["command"] == ["schema", "apply"]
     assert services["outbox"]["command"][0] == "outbox"
     inbox = services["inbox"]["command"]
@@ -137,8 +148,12 @@ def test_compose_runs_the_servers_the_schema_both_daemons_and_a_demo():
 
 def test_kubernetes_example_probes_grace_period_and_secret():
     directory = REPO / "examples" / "kubernetes"
-    documents = [doc for path in sorted(directory.glob("*.yaml"))
-                 for doc in yaml.safe_load_all(path.read_text()) if doc]
+    documents = [
+        doc
+        for path in sorted(directory.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
     [secret] = [d for d in documents if d["kind"] == "Secret"]
     keys = set(secret["stringData"])
     deployments = [d for d in documents if d["kind"] == "Deployment"]

@@ -17,10 +17,20 @@ SHOP = REPO / "tests" / "apps" / "django_shop"
 
 
 def manage(database: str, *args: str) -> str:
-    env = {**os.environ, "SHOP_DATABASE_URL": database.replace("+psycopg", ""),
-           "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "manage.py", *args], cwd=SHOP, env=env,
-                            capture_output=True, text=True, timeout=60, check=False)
+    env = {
+        **os.environ,
+        "SHOP_DATABASE_URL": database.replace("+psycopg", ""),
+        "PYTHONPATH": str(REPO),
+    }
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=SHOP,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

@@ -16,16 +16,19 @@ SECRET = "pw-n3wc0mer"
 
 
 @pytest.mark.parametrize("command", [["outbox", "--once"], ["inbox", "--queue", "q"]])
-@pytest.mark.parametrize(("flag", "url", "expected"), [
-    ("--broker-url", "amqp://h:notaport/", "invalid broker URL"),
-    ("--broker-url", f"amqp://guest:{SECRET}@:5672/", "no host"),
-    ("--broker-url", "amqp:///", "no host"),
-    ("--broker-url", "sqs://?bogus=1", "unknown parameter(s) bogus"),
-    ("--database-url", f"postgresql://app:{SECRET}@h:notaport/db", "invalid database URL"),
-    ("--database-url", f"postgresql://app:{SECRET}@h/db?bogus=1", "invalid database URL"),
-    ("--listen-url", f"postgresql://app:{SECRET}@h:notaport/db", "invalid listen URL"),
-    ("--listen-url", f"mysql://app:{SECRET}@h/db", "unsupported listen URL scheme"),
-])
+@pytest.mark.parametrize(
+    ("flag", "url", "expected"),
+    [
+        ("--broker-url", "amqp://h:notaport/", "invalid broker URL"),
+        ("--broker-url", f"amqp://guest:{SECRET}@:5672/", "no host"),
+        ("--broker-url", "amqp:///", "no host"),
+        ("--broker-url", "sqs://?bogus=1", "unknown parameter(s) bogus"),
+        ("--database-url", f"postgresql://app:{SECRET}@h:notaport/db", "invalid database URL"),
+        ("--database-url", f"postgresql://app:{SECRET}@h/db?bogus=1", "invalid database URL"),
+        ("--listen-url", f"postgresql://app:{SECRET}@h:notaport/db", "invalid listen URL"),
+        ("--listen-url", f"mysql://app:{SECRET}@h/db", "unsupported listen URL scheme"),
+    ],
+)
 def test_a_malformed_url_exits_2_with_one_line(run_relay, command, flag, url, expected):
     result = run_relay(*command, flag, url)
     assert result.returncode == 2, result.stderr
@@ -43,19 +46,26 @@ def test_a_command_before_schema_apply_says_so_in_one_line(run_relay, empty_data
     result = run_relay(*command, "--database-url", empty_database)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "relay: error: the relay tables do not exist yet: run `relay schema apply`"]
+        "relay: error: the relay tables do not exist yet: run `relay schema apply`"
+    ]
 
 
 def _warnings(log: str) -> list[str]:
-    return [line for line in log.splitlines() if " WARNING " in line
-            and "no handlers registered" not in line]
+    return [
+        line
+        for line in log.splitlines()
+        if " WARNING " in line and "no handlers registered" not in line
+    ]
 
 
 @pytest.mark.parametrize("daemon", [["outbox"], ["inbox", "--queue", "newcomer-q"]])
 @pytest.mark.parametrize("down", ["database", "broker"])
 def test_one_log_line_per_wait_while_a_server_is_down(start_relay, daemon, down):
-    env = ({"RELAY_DATABASE_URL": f"postgresql://u:{SECRET}@127.0.0.1:1/db"} if down ==
-           "database" else {"RELAY_BROKER_URL": f"amqp://guest:{SECRET}@127.0.0.1:1/"})
+    env = (
+        {"RELAY_DATABASE_URL": f"postgresql://u:{SECRET}@127.0.0.1:1/db"}
+        if down == "database"
+        else {"RELAY_BROKER_URL": f"amqp://guest:{SECRET}@127.0.0.1:1/"}
+    )
     proc = start_relay(*daemon, env=env)
     wait_until(lambda: proc.log.count("retrying in") >= 4, timeout=30, message="four waits")
     proc.stop()
@@ -74,14 +84,34 @@ async def test_demo_creates_its_database_when_missing(rabbit, run_relay):
     queue = f"{rabbit.exchange}.demo"
     rabbit.queues.append(queue)
     try:
-        result = run_relay("demo", "--duration", "1", "--rate", "20",
-                           "--exchange", rabbit.exchange, "--queue", queue,
-                           "--database-url", pg_url(name, "postgresql"))
+        result = run_relay(
+            "demo",
+            "--duration",
+            "1",
+            "--rate",
+            "20",
+            "--exchange",
+            rabbit.exchange,
+            "--queue",
+            queue,
+            "--database-url",
+            pg_url(name, "postgresql"),
+        )
         assert result.returncode == 0, result.stderr
         assert f"relay demo: created database '{name}'" in result.stdout
-        again = run_relay("demo", "--duration", "1", "--rate", "20",
-                          "--exchange", rabbit.exchange, "--queue", queue,
-                          "--database-url", pg_url(name, "postgresql"))
+        again = run_relay(
+            "demo",
+            "--duration",
+            "1",
+            "--rate",
+            "20",
+            "--exchange",
+            rabbit.exchange,
+            "--queue",
+            queue,
+            "--database-url",
+            pg_url(name, "postgresql"),
+        )
         assert again.returncode == 0, again.stderr
         assert "created database" not in again.stdout
     finally:

@@ -102,8 +102,9 @@ async def test_sigterm_under_load_outbox_exits_0_in_time_and_a_rerun_finds_no_ro
 ):
     queue = await rabbit.queue("load.#")
     insert_outbox(engine, 20000, topic="load.x", keys=40)
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--batch-size", "200",
-                         "--shutdown-timeout", "10")
+    daemon = start_relay(
+        "outbox", "--exchange", rabbit.exchange, "--batch-size", "200", "--shutdown-timeout", "10"
+    )
     wait_until(lambda: status_counts(engine, "outbox").get("published", 0) > 0, timeout=30)
     started = time.monotonic()
     daemon.signal(signal.SIGTERM)
@@ -111,17 +112,23 @@ async def test_sigterm_under_load_outbox_exits_0_in_time_and_a_rerun_finds_no_ro
     assert time.monotonic() - started < 10
     assert "outbox: stopped" in daemon.log
     # Every row is either published (with its time) or untouched pending; none is locked.
-    half_done = rows(engine, """
+    half_done = rows(
+        engine,
+        """
         SELECT count(*) FROM outbox
         WHERE NOT ((status = 'published' AND published_at IS NOT NULL)
                 OR (status = 'pending' AND published_at IS NULL AND attempts = 0
-                    AND last_error IS NULL))""")
+                    AND last_error IS NULL))""",
+    )
     assert half_done == [(0,)]
     with engine.begin() as conn:
         pending = conn.scalar(sa.text("SELECT count(*) FROM outbox WHERE status = 'pending'"))
-        claimable = conn.scalar(sa.text(
-            "SELECT count(*) FROM (SELECT id FROM outbox WHERE status = 'pending' "
-            "FOR UPDATE SKIP LOCKED) t"))
+        claimable = conn.scalar(
+            sa.text(
+                "SELECT count(*) FROM (SELECT id FROM outbox WHERE status = 'pending' "
+                "FOR UPDATE SKIP LOCKED) t"
+            )
+        )
     assert claimable == pending
     # A rerun publishes the rest: every row published, every id on the wire.
     result = run_relay("outbox", "--once", "--exchange", rabbit.exchange, timeout=120)
@@ -143,17 +150,23 @@ async def test_sigterm_under_load_inbox_exits_0_in_time_and_a_rerun_finds_no_row
     assert first.wait(30) == 0, first.log
     assert time.monotonic() - started < 10
     # A handler's effect exists exactly when its row is processed.
-    assert rows(effects, """
+    assert rows(
+        effects,
+        """
         SELECT count(*) FROM effects e JOIN inbox i USING (message_id)
-        WHERE i.status <> 'processed'""") == [(0,)]
+        WHERE i.status <> 'processed'""",
+    ) == [(0,)]
     assert rows(effects, "SELECT count(*), count(DISTINCT message_id) FROM effects") == [
-        (status_counts(effects, "inbox")["processed"],) * 2]
+        (status_counts(effects, "inbox")["processed"],) * 2
+    ]
     assert rows(effects, "SELECT count(*) FROM inbox WHERE attempts > 0 OR status = 'dead'") == [
-        (0,)]
+        (0,)
+    ]
     inbox(bind="load.#")
     wait_until(lambda: status_counts(effects, "inbox") == {"processed": 3000}, timeout=120)
     assert rows(effects, "SELECT count(*), count(DISTINCT message_id) FROM effects") == [
-        (3000, 3000)]
+        (3000, 3000)
+    ]
 
 
 async def test_sigterm_releases_a_sync_handler_that_overruns_the_shutdown_timeout(
@@ -162,11 +175,19 @@ async def test_sigterm_releases_a_sync_handler_that_overruns_the_shutdown_timeou
     daemon = inbox("--shutdown-timeout", "3", "--handler-timeout", "60")
     await rabbit.publish("hang", b"{}", message_id="h-1", type="SyncHang")
     # The handler has written its effect and now blocks its thread.
-    wait_until(lambda: rows(effects, "SELECT count(*) FROM pg_stat_activity "
-                                     "WHERE datname = current_database() "
-                                     "AND state = 'idle in transaction' "
-                                     "AND query LIKE 'INSERT INTO effects%'") == [(1,)],
-               timeout=30)
+    wait_until(
+        lambda: (
+            rows(
+                effects,
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() "
+                "AND state = 'idle in transaction' "
+                "AND query LIKE 'INSERT INTO effects%'",
+            )
+            == [(1,)]
+        ),
+        timeout=30,
+    )
     started = time.monotonic()
     daemon.signal(signal.SIGTERM)
     assert daemon.wait(30) == 0, daemon.log
@@ -174,8 +195,12 @@ async def test_sigterm_releases_a_sync_handler_that_overruns_the_shutdown_timeou
     assert time.monotonic() - started < 3 + 1.5
     assert "releasing it" in daemon.log
     # Released: rolled back, no attempt counted, claimable at once.
-    wait_until(lambda: rows(effects, "SELECT status, attempts FROM inbox FOR UPDATE SKIP LOCKED")
-               == [("pending", 0)])
+    wait_until(
+        lambda: (
+            rows(effects, "SELECT status, attempts FROM inbox FOR UPDATE SKIP LOCKED")
+            == [("pending", 0)]
+        )
+    )
     assert rows(effects, "SELECT count(*) FROM effects") == [(0,)]
 
 
@@ -189,8 +214,12 @@ async def test_a_second_signal_exits_at_once_with_130(effects, rabbit, inbox):
     daemon.signal(signal.SIGINT)
     assert daemon.wait(30) == 130
     assert time.monotonic() - started < 5
-    wait_until(lambda: rows(effects, "SELECT status, attempts FROM inbox FOR UPDATE SKIP LOCKED")
-               == [("pending", 0)])
+    wait_until(
+        lambda: (
+            rows(effects, "SELECT status, attempts FROM inbox FOR UPDATE SKIP LOCKED")
+            == [("pending", 0)]
+        )
+    )
 
 
 # --------------------------------------------------------------------------
@@ -205,8 +234,9 @@ def _service(main=None, stop=None, **kwargs) -> tuple[Service, asyncio.Event]:
         started()
         await stopped.wait()
 
-    return Service(name="test", main=main or default_main, stop=stop or stopped.set,
-                   **kwargs), stopped
+    return Service(
+        name="test", main=main or default_main, stop=stop or stopped.set, **kwargs
+    ), stopped
 
 
 async def test_a_background_task_that_dies_stops_the_daemon_with_exit_status_1():
@@ -263,8 +293,9 @@ async def test_stop_releases_a_batch_that_overruns_the_shutdown_timeout():
 
 
 @pytest.mark.parametrize("table", ["outbox", "inbox"])
-async def test_a_main_loop_that_crashes_for_real_exits_1(table, effects, rabbit, inbox,
-                                                         start_relay):
+async def test_a_main_loop_that_crashes_for_real_exits_1(
+    table, effects, rabbit, inbox, start_relay
+):
     if table == "outbox":
         daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.2")
         daemon.wait_for_log("outbox relay started", timeout=30)
@@ -287,8 +318,10 @@ async def test_probes_flip_when_the_database_or_broker_goes_away_and_come_back(
 ):
     port = free_port()
     queue = await rabbit.queue("probe.#")
-    env = {"RELAY_DATABASE_URL": through(database, pg_proxy),
-           "RELAY_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{amqp_proxy.port}/"}
+    env = {
+        "RELAY_DATABASE_URL": through(database, pg_proxy),
+        "RELAY_BROKER_URL": f"amqp://guest:guest@127.0.0.1:{amqp_proxy.port}/",
+    }
     args = ["--exchange", rabbit.exchange, "--http-port", str(port), "--poll-interval", "0.5"]
     if kind == "inbox":
         inbox_queue = f"{rabbit.exchange}.in"
@@ -312,8 +345,9 @@ async def test_probes_flip_when_the_database_or_broker_goes_away_and_come_back(
         assert message.body == b'{"n":1}'
     else:
         await rabbit.publish("probe.x", b'{"n": 2}', message_id="p-1", type="Effect")
-        wait_until(lambda: rows(effects, "SELECT status FROM inbox") == [("processed",)],
-                   timeout=60)
+        wait_until(
+            lambda: rows(effects, "SELECT status FROM inbox") == [("processed",)], timeout=60
+        )
     daemon.stop()
     assert daemon.proc.returncode == 0
 
@@ -352,8 +386,13 @@ async def test_http_serves_get_and_head_on_three_paths_and_nothing_else():
         await stopped.wait()
 
     stopped = asyncio.Event()
-    service = Service(name="test", main=main, stop=stopped.set, metrics=lambda: b"m 1.0\n",
-                      ready=lambda: asyncio.sleep(0, True))
+    service = Service(
+        name="test",
+        main=main,
+        stop=stopped.set,
+        metrics=lambda: b"m 1.0\n",
+        ready=lambda: asyncio.sleep(0, True),
+    )
     daemon = Daemon("test", [service], shutdown_timeout=5, http_port=port)
     task = asyncio.ensure_future(daemon.run())
     await asyncio.wait_for(daemon.started_event.wait(), 5)
@@ -379,8 +418,11 @@ async def test_outbox_metrics_after_a_known_workload(engine, rabbit, start_relay
     await rabbit.queue("m.#")
     insert_outbox(engine, 50, topic="m.x", keys=5)
     with engine.begin() as conn:  # a row no broker can carry: failed once, dead at once
-        conn.execute(sa.text(
-            "INSERT INTO outbox (topic, payload, headers) VALUES ('m.x', '{}', '{\"n\": 1}')"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (topic, payload, headers) VALUES ('m.x', '{}', '{\"n\": 1}')"
+            )
+        )
     port = free_port()
     daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--http-port", str(port))
     wait_until(metric_is(port, "relay_outbox_published_total", 50.0), timeout=30)
@@ -392,18 +434,23 @@ async def test_outbox_metrics_after_a_known_workload(engine, rabbit, start_relay
     assert metrics["relay_outbox_oldest_pending_seconds"] == 0.0
     assert metrics["relay_outbox_deleted_total"] == 0.0
     assert metrics["relay_outbox_publish_seconds_count"] >= 1
-    assert metrics['relay_outbox_publish_seconds_bucket{le="+Inf"}'] == (
-        metrics["relay_outbox_publish_seconds_count"])
+    assert (
+        metrics['relay_outbox_publish_seconds_bucket{le="+Inf"}']
+        == (metrics["relay_outbox_publish_seconds_count"])
+    )
     text = scrape_text(port)
     assert "# TYPE relay_outbox_publish_seconds histogram" in text
     assert "# TYPE relay_outbox_published_total counter" in text
     assert "# TYPE relay_outbox_pending gauge" in text
     # A backlog shows up in the gauges: rows not due yet stay pending.
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO outbox (topic, payload, created_at, available_at) "
-            "SELECT 'm.x', '{}', now() - interval '1 minute', now() + interval '1 hour' "
-            "FROM generate_series(1, 3)"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (topic, payload, created_at, available_at) "
+                "SELECT 'm.x', '{}', now() - interval '1 minute', now() + interval '1 hour' "
+                "FROM generate_series(1, 3)"
+            )
+        )
     wait_until(metric_is(port, "relay_outbox_pending", 3.0), timeout=30)
     assert scrape(port)["relay_outbox_oldest_pending_seconds"] >= 60
     daemon.stop()
@@ -427,11 +474,13 @@ async def test_inbox_metrics_after_a_known_workload(effects, rabbit, inbox):
     # Every handler run: 10 + 2 failed, and any rolled back with its batch
     # when AlwaysFails failed after them (to run again).
     assert metrics["relay_inbox_handler_seconds_count"] == (
-        12.0 + metrics["relay_inbox_handler_reruns_total"])
+        12.0 + metrics["relay_inbox_handler_reruns_total"]
+    )
     assert metrics["relay_inbox_oldest_pending_seconds"] == 0.0
     assert "# TYPE relay_inbox_handler_seconds histogram" in scrape_text(port)
-    assert rows(effects, "SELECT count(DISTINCT message_id) FROM effects "
-                         "WHERE message_id LIKE 'm-%'") == [(10,)]
+    assert rows(
+        effects, "SELECT count(DISTINCT message_id) FROM effects WHERE message_id LIKE 'm-%'"
+    ) == [(10,)]
 
 
 # --------------------------------------------------------------------------
@@ -442,15 +491,26 @@ async def test_inbox_metrics_after_a_known_workload(effects, rabbit, inbox):
 def _outbox_ages(engine: sa.Engine) -> None:
     """1500 old published rows (deleted), and rows that must stay."""
     insert_outbox(engine, 1500, topic="old")
-    rows(engine, "UPDATE outbox SET status = 'published', "
-                 "published_at = now() - interval '2 hours' WHERE topic = 'old'")
-    for topic, status, age in [("young", "published", "10 minutes"),
-                               ("waiting", "pending", None), ("dead", "dead", None)]:
+    rows(
+        engine,
+        "UPDATE outbox SET status = 'published', "
+        "published_at = now() - interval '2 hours' WHERE topic = 'old'",
+    )
+    for topic, status, age in [
+        ("young", "published", "10 minutes"),
+        ("waiting", "pending", None),
+        ("dead", "dead", None),
+    ]:
         insert_outbox(engine, 2, topic=topic)
-        rows(engine, "UPDATE outbox SET status = :status, created_at = now() - interval '3 hours', "
-                     "available_at = now() + interval '1 day', "
-                     "published_at = now() - CAST(:age AS interval) WHERE topic = :topic",
-             status=status, age=age or "3 hours", topic=topic)
+        rows(
+            engine,
+            "UPDATE outbox SET status = :status, created_at = now() - interval '3 hours', "
+            "available_at = now() + interval '1 day', "
+            "published_at = now() - CAST(:age AS interval) WHERE topic = :topic",
+            status=status,
+            age=age or "3 hours",
+            topic=topic,
+        )
 
 
 async def test_outbox_retention_deletes_old_published_rows_and_nothing_more(
@@ -458,31 +518,47 @@ async def test_outbox_retention_deletes_old_published_rows_and_nothing_more(
 ):
     _outbox_ages(engine)
     port = free_port()
-    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--retention", "1h",
-                         "--http-port", str(port))
-    wait_until(lambda: rows(engine, "SELECT count(*) FROM outbox WHERE topic = 'old'") == [(0,)],
-               timeout=60, message="old published rows deleted")
+    daemon = start_relay(
+        "outbox", "--exchange", rabbit.exchange, "--retention", "1h", "--http-port", str(port)
+    )
+    wait_until(
+        lambda: rows(engine, "SELECT count(*) FROM outbox WHERE topic = 'old'") == [(0,)],
+        timeout=60,
+        message="old published rows deleted",
+    )
     assert rows(engine, "SELECT topic, status, count(*) FROM outbox GROUP BY 1, 2 ORDER BY 1") == [
-        ("dead", "dead", 2), ("waiting", "pending", 2), ("young", "published", 2)]
+        ("dead", "dead", 2),
+        ("waiting", "pending", 2),
+        ("young", "published", 2),
+    ]
     daemon.wait_for_log("retention deleted 1500 outbox rows older than 3600s")
     assert scrape(port)["relay_outbox_deleted_total"] == 1500.0
     daemon.stop()
 
 
 async def test_inbox_retention_deletes_old_processed_rows_and_nothing_more(effects, inbox):
-    rows(effects, """
+    rows(
+        effects,
+        """
         INSERT INTO inbox (consumer, message_id, topic, payload, status, processed_at,
                            received_at, available_at)
         SELECT 'c', t || '-' || i, t, '{}', s, now() - CAST(a AS interval),
                now() - interval '3 hours', now() + interval '1 day'
         FROM (VALUES ('old', 'processed', '8 days', 1200), ('young', 'processed', '1 hour', 2),
                      ('waiting', 'pending', '9 days', 2), ('dead', 'dead', '9 days', 2))
-             AS v(t, s, a, n), generate_series(1, v.n) AS i""")
+             AS v(t, s, a, n), generate_series(1, v.n) AS i""",
+    )
     daemon = inbox("--retention", "7d")
-    wait_until(lambda: rows(effects, "SELECT count(*) FROM inbox WHERE topic = 'old'") == [(0,)],
-               timeout=60, message="old processed rows deleted")
+    wait_until(
+        lambda: rows(effects, "SELECT count(*) FROM inbox WHERE topic = 'old'") == [(0,)],
+        timeout=60,
+        message="old processed rows deleted",
+    )
     assert rows(effects, "SELECT topic, status, count(*) FROM inbox GROUP BY 1, 2 ORDER BY 1") == [
-        ("dead", "dead", 2), ("waiting", "pending", 2), ("young", "processed", 2)]
+        ("dead", "dead", 2),
+        ("waiting", "pending", 2),
+        ("young", "processed", 2),
+    ]
     daemon.wait_for_log("retention deleted 1200 inbox rows")
 
 
@@ -492,8 +568,9 @@ async def test_retention_skips_while_another_replica_holds_the_lock(
     _outbox_ages(engine)
     with psycopg.connect(database.replace("+psycopg", ""), autocommit=True) as other:
         other.execute("SELECT pg_advisory_lock(%s)", (RETENTION_LOCK["outbox"],))
-        daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--retention", "1h",
-                             "--log-level", "DEBUG")
+        daemon = start_relay(
+            "outbox", "--exchange", rabbit.exchange, "--retention", "1h", "--log-level", "DEBUG"
+        )
         daemon.wait_for_log("another replica is deleting outbox rows", timeout=60)
         assert rows(engine, "SELECT count(*) FROM outbox WHERE topic = 'old'") == [(1500,)]
     daemon.stop()
@@ -510,12 +587,23 @@ async def test_json_logs_carry_ids_topic_action_and_the_handlers_own_lines_the_t
     daemon = inbox("--log-format", "json", "--max-attempts", "1", bind="logs.#")
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     with effects.begin() as conn:
-        message_id = relay.enqueue(conn, "logs.x", {"n": 1}, type="Logs",
-                                   headers={"traceparent": traceparent})
+        message_id = relay.enqueue(
+            conn, "logs.x", {"n": 1}, type="Logs", headers={"traceparent": traceparent}
+        )
         failing_id = relay.enqueue(conn, "logs.y", {}, type="AlwaysFails")
         unroutable_id = relay.enqueue(conn, "nowhere", {})
-    outbox = run_relay("outbox", "--once", "--exchange", rabbit.exchange, "--log-format", "json",
-                       "--max-attempts", "1", "--on-unroutable", "fail")
+    outbox = run_relay(
+        "outbox",
+        "--once",
+        "--exchange",
+        rabbit.exchange,
+        "--log-format",
+        "json",
+        "--max-attempts",
+        "1",
+        "--on-unroutable",
+        "fail",
+    )
     assert outbox.returncode == 0, outbox.stderr
     outbox_lines = json_lines(outbox.stderr)
     [failed] = [line for line in outbox_lines if line.get("action") == "publish_failed"]
@@ -536,12 +624,16 @@ async def test_json_logs_carry_ids_topic_action_and_the_handlers_own_lines_the_t
     [failure] = [line for line in inbox_lines if line.get("action") == "handler_failed"]
     assert failure["message_id"] == str(failing_id) and failure["topic"] == "logs.y"
     # Outside a handler, no message fields leak into unrelated lines.
-    assert all("traceparent" not in line for line in inbox_lines
-               if line.get("action") in ("started", "stopping"))
+    assert all(
+        "traceparent" not in line
+        for line in inbox_lines
+        if line.get("action") in ("started", "stopping")
+    )
 
 
-async def test_no_password_in_any_log_line_or_metric(database, engine, rabbit, start_relay,
-                                                     run_relay):
+async def test_no_password_in_any_log_line_or_metric(
+    database, engine, rabbit, start_relay, run_relay
+):
     secret = "Hunter2-S3cret:p@ss/wd"
     quoted = urllib.parse.quote(secret, safe="")
     db = database.replace("//postgres@", f"//postgres:{quoted}@")
@@ -554,17 +646,32 @@ async def test_no_password_in_any_log_line_or_metric(database, engine, rabbit, s
     outbox_port, inbox_port = free_port(), free_port()
     logs = []
     for fmt in ("json", "text"):
-        result = run_relay("outbox", "--once", "--exchange", rabbit.exchange, "--log-format", fmt,
-                           env=env)
+        result = run_relay(
+            "outbox", "--once", "--exchange", rabbit.exchange, "--log-format", fmt, env=env
+        )
         assert result.returncode == 0, result.stderr
         logs.append(result.stderr)
-    outbox = start_relay("outbox", "--exchange", rabbit.exchange, "--http-port",
-                         str(outbox_port), env=env)
+    outbox = start_relay(
+        "outbox", "--exchange", rabbit.exchange, "--http-port", str(outbox_port), env=env
+    )
     queue = f"{rabbit.exchange}.in"
     rabbit.queues.append(queue)
-    daemon = start_relay("inbox", "--queue", queue, "--exchange", rabbit.exchange, "--bind",
-                         "s.#", "--handlers", HANDLERS, "--http-port", str(inbox_port),
-                         "--max-attempts", "1", env=env)
+    daemon = start_relay(
+        "inbox",
+        "--queue",
+        queue,
+        "--exchange",
+        rabbit.exchange,
+        "--bind",
+        "s.#",
+        "--handlers",
+        HANDLERS,
+        "--http-port",
+        str(inbox_port),
+        "--max-attempts",
+        "1",
+        env=env,
+    )
     daemon.wait_for_log("inbox started", timeout=30)
     await rabbit.publish("s.x", b'{"n": 3}', message_id="s-1", type="AlwaysFails")
     wait_until(lambda: "handler_failed" in daemon.log, timeout=30)
@@ -577,8 +684,9 @@ async def test_no_password_in_any_log_line_or_metric(database, engine, rabbit, s
     assert "relay.receiver_process" in cmdline
     assert "S3cret" not in cmdline and "postgres" not in cmdline
     # The broker goes away: reconnect warnings carry the URL, masked.
-    unreachable = start_relay("outbox", env={
-        **env, "RELAY_BROKER_URL": f"amqp://relay:{quoted}@127.0.0.1:1/"})
+    unreachable = start_relay(
+        "outbox", env={**env, "RELAY_BROKER_URL": f"amqp://relay:{quoted}@127.0.0.1:1/"}
+    )
     unreachable.wait_for_log("retrying in", timeout=30)
     for proc in (outbox, daemon, unreachable):
         proc.stop()
@@ -615,15 +723,25 @@ async def test_systemd_notify_ready_once_connected_then_watchdog_pings(
     sock.settimeout(0.2)
     try:
         pg_proxy.stop()  # the database is away at start-up
-        daemon = start_relay("outbox", "--exchange", rabbit.exchange, env={
-            "RELAY_DATABASE_URL": through(database, pg_proxy),
-            "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+        daemon = start_relay(
+            "outbox",
+            "--exchange",
+            rabbit.exchange,
+            env={
+                "RELAY_DATABASE_URL": through(database, pg_proxy),
+                "NOTIFY_SOCKET": path,
+                "WATCHDOG_USEC": "1000000",
+            },
+        )
         daemon.wait_for_log("retrying in", timeout=30)
         assert "READY=1" not in _receive(sock, 1.5)
         pg_proxy.start()
         got: list[str] = []
-        wait_until(lambda: got.extend(_receive(sock, 0.5)) or "READY=1" in got, timeout=60,
-                   message="READY=1")
+        wait_until(
+            lambda: got.extend(_receive(sock, 0.5)) or "READY=1" in got,
+            timeout=60,
+            message="READY=1",
+        )
         assert "outbox relay started" in daemon.log
         later = _receive(sock, 2.5)
         assert later.count("WATCHDOG=1") >= 2  # every 0.5 s: half of WATCHDOG_USEC
@@ -644,25 +762,38 @@ async def test_systemd_notify_ready_once_connected_then_watchdog_pings(
 async def test_relay_demo_runs_its_duration_showing_messages_flowing(engine, rabbit, run_relay):
     queue = f"{rabbit.exchange}.demo"
     rabbit.queues.append(queue)
-    result = run_relay("demo", "--duration", "5", "--rate", "50", "--exchange", rabbit.exchange,
-                       "--queue", queue, timeout=120)
+    result = run_relay(
+        "demo",
+        "--duration",
+        "5",
+        "--rate",
+        "50",
+        "--exchange",
+        rabbit.exchange,
+        "--queue",
+        queue,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if re.search(r"produced +\d+/s", line)]
     assert len(lines) >= 3, result.stdout
-    assert all("published" in line and "handled" in line and "backlog: outbox" in line
-               for line in lines)
+    assert all(
+        "published" in line and "handled" in line and "backlog: outbox" in line for line in lines
+    )
     assert any(re.search(r"handled +[1-9]\d*/s", line) for line in lines), result.stdout
     [(handled, consumers, traced)] = rows(
-        engine, "SELECT count(*), count(DISTINCT consumer), count(traceparent) "
-                "FROM relay_demo_events")
+        engine,
+        "SELECT count(*), count(DISTINCT consumer), count(traceparent) FROM relay_demo_events",
+    )
     assert handled > 0 and consumers == 1 and traced == handled
     assert rows(engine, "SELECT DISTINCT consumer FROM relay_demo_events") == [(queue,)]
     assert "relay demo: produced" in result.stdout
 
 
 def test_relay_demo_producer_only_needs_no_broker(engine, run_relay):
-    result = run_relay("demo", "--producer-only", "--duration", "2", "--rate", "20",
-                       env={"RELAY_BROKER_URL": ""})
+    result = run_relay(
+        "demo", "--producer-only", "--duration", "2", "--rate", "20", env={"RELAY_BROKER_URL": ""}
+    )
     assert result.returncode == 0, result.stderr
     assert "produced" in result.stdout
     [(count, types)] = rows(engine, "SELECT count(*), array_agg(DISTINCT type) FROM outbox")

@@ -15,8 +15,11 @@ from tests.conftest import rows, wait_until
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
-TRACING = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100",
-           "OTEL_SERVICE_NAME": "relay-under-test"}
+TRACING = {
+    "OTEL_TRACES_EXPORTER": "console",
+    "OTEL_BSP_SCHEDULE_DELAY": "100",
+    "OTEL_SERVICE_NAME": "relay-under-test",
+}
 
 
 def spans(log: str) -> list[dict]:
@@ -33,12 +36,17 @@ def spans(log: str) -> list[dict]:
 
 
 async def test_inbox_span_continues_the_message_trace_and_the_handler_runs_in_it(
-        effects, rabbit, inbox):
+    effects, rabbit, inbox
+):
     daemon = inbox(env=TRACING)
-    await rabbit.publish("orders.placed", b'{"n": 1}', message_id="traced-1",
-                         type="TraceEffect", headers={"traceparent": TRACEPARENT})
-    await rabbit.publish("orders.placed", b'{"n": 2}', message_id="untraced-1",
-                         type="TraceEffect")
+    await rabbit.publish(
+        "orders.placed",
+        b'{"n": 1}',
+        message_id="traced-1",
+        type="TraceEffect",
+        headers={"traceparent": TRACEPARENT},
+    )
+    await rabbit.publish("orders.placed", b'{"n": 2}', message_id="untraced-1", type="TraceEffect")
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM effects")) == 2)
     seen = dict(rows(effects, "SELECT message_id, traceparent FROM effects"))
     trace_id, span_id = seen["traced-1"].split("-")
@@ -58,34 +66,42 @@ async def test_inbox_span_continues_the_message_trace_and_the_handler_runs_in_it
 
 async def test_failed_handler_marks_its_span_failed(effects, rabbit, inbox):
     daemon = inbox("--max-attempts", "1", env=TRACING)
-    await rabbit.publish("t", b"{}", message_id="fails-1", type="AlwaysFails",
-                         headers={"traceparent": TRACEPARENT})
-    wait_until(lambda: rows(effects, "SELECT status FROM inbox WHERE message_id = 'fails-1'")
-               == [("dead",)])
+    await rabbit.publish(
+        "t", b"{}", message_id="fails-1", type="AlwaysFails", headers={"traceparent": TRACEPARENT}
+    )
+    wait_until(
+        lambda: (
+            rows(effects, "SELECT status FROM inbox WHERE message_id = 'fails-1'") == [("dead",)]
+        )
+    )
     daemon.stop()
-    [span] = [s for s in spans(daemon.log)
-              if s["attributes"].get("messaging.message.id") == "fails-1"]
+    [span] = [
+        s for s in spans(daemon.log) if s["attributes"].get("messaging.message.id") == "fails-1"
+    ]
     assert span["status"]["status_code"] == "ERROR"
     assert "this handler always fails" in span["status"]["description"]
 
 
 async def test_without_otel_variables_no_span_is_printed(effects, rabbit, inbox):
     daemon = inbox()
-    await rabbit.publish("t", b"{}", message_id="plain-1", type="Effect",
-                         headers={"traceparent": TRACEPARENT})
+    await rabbit.publish(
+        "t", b"{}", message_id="plain-1", type="Effect", headers={"traceparent": TRACEPARENT}
+    )
     wait_until(lambda: rows(effects, "SELECT message_id FROM effects") == [("plain-1",)])
     daemon.stop()
     assert spans(daemon.log) == []
     assert "tracing:" not in daemon.log
 
 
-
 async def test_outbox_span_continues_the_row_trace(engine, rabbit, run_relay):
     queue = await rabbit.queue("orders.#")
-    rows(engine, "INSERT INTO outbox (topic, key, type, payload, headers) VALUES "
-                 "('orders.placed', 'order-7', 'OrderPlaced', '{}', CAST(:h AS jsonb)), "
-                 "('orders.placed', NULL, 'OrderPlaced', '{}', '{}')",
-         h=json.dumps({"traceparent": TRACEPARENT}))
+    rows(
+        engine,
+        "INSERT INTO outbox (topic, key, type, payload, headers) VALUES "
+        "('orders.placed', 'order-7', 'OrderPlaced', '{}', CAST(:h AS jsonb)), "
+        "('orders.placed', NULL, 'OrderPlaced', '{}', '{}')",
+        h=json.dumps({"traceparent": TRACEPARENT}),
+    )
     result = run_relay("outbox", "--once", "--exchange", rabbit.exchange, env=TRACING)
     assert result.returncode == 0, result.stderr
     await rabbit.drain(queue, 2)
@@ -110,7 +126,8 @@ async def test_outbox_span_continues_the_row_trace(engine, rabbit, run_relay):
 
 
 async def test_one_trace_runs_from_the_producers_request_to_the_handlers_sql(
-        effects, rabbit, monkeypatch):
+    effects, rabbit, monkeypatch
+):
     """enqueue inside the app's span, then the outbox and inbox daemons (run
     here, on this event loop, so that their spans reach the exporter): every
     span is of the request's trace, and the handler's work is a child of
@@ -143,30 +160,52 @@ async def test_one_trace_runs_from_the_producers_request_to_the_handlers_sql(
     @registry.handler("Traced")
     def traced(message: relay.Message, conn: sa.Connection) -> None:
         with app.start_as_current_span("handler sql"):
-            conn.execute(sa.text("INSERT INTO effects (message_id) VALUES (:m)"),
-                         {"m": message.id})
+            conn.execute(sa.text("INSERT INTO effects (message_id) VALUES (:m)"), {"m": message.id})
 
-    with app.start_as_current_span("POST /orders", kind=SpanKind.SERVER) as request, \
-            effects.begin() as conn:
+    with (
+        app.start_as_current_span("POST /orders", kind=SpanKind.SERVER) as request,
+        effects.begin() as conn,
+    ):
         message_id = relay.enqueue(conn, "traced.order", {"n": 1}, type="Traced")
     [(headers,)] = rows(effects, "SELECT headers FROM outbox")
     request_context = request.get_span_context()
     assert headers["traceparent"].startswith(
-        f"00-{request_context.trace_id:032x}-{request_context.span_id:016x}-")
+        f"00-{request_context.trace_id:032x}-{request_context.span_id:016x}-"
+    )
 
     broker = BrokerURL.parse(AMQP_URL)
     database = str(effects.url.render_as_string(hide_password=False))
-    inbox = Daemon("inbox", [inbox_service(InboxSettings(
-        database_url=database, broker=broker, exchange=rabbit.exchange,
-        queue=f"{rabbit.exchange}.traced", binds=("traced.#",), poll_interval=0.2),
-        registry)], shutdown_timeout=5)
+    inbox = Daemon(
+        "inbox",
+        [
+            inbox_service(
+                InboxSettings(
+                    database_url=database,
+                    broker=broker,
+                    exchange=rabbit.exchange,
+                    queue=f"{rabbit.exchange}.traced",
+                    binds=("traced.#",),
+                    poll_interval=0.2,
+                ),
+                registry,
+            )
+        ],
+        shutdown_timeout=5,
+    )
     rabbit.queues.append(f"{rabbit.exchange}.traced")
     running = asyncio.ensure_future(inbox.run())
     try:
         await asyncio.wait_for(inbox.started_event.wait(), 30)
-        outbox = Daemon("outbox", [outbox_service(
-            OutboxSettings(database_url=database, broker=broker, exchange=rabbit.exchange),
-            once=True)], shutdown_timeout=5)
+        outbox = Daemon(
+            "outbox",
+            [
+                outbox_service(
+                    OutboxSettings(database_url=database, broker=broker, exchange=rabbit.exchange),
+                    once=True,
+                )
+            ],
+            shutdown_timeout=5,
+        )
         assert await asyncio.wait_for(outbox.run(), 30) == EXIT_OK
         for _ in range(300):
             if rows(effects, "SELECT message_id FROM effects"):
@@ -178,8 +217,11 @@ async def test_one_trace_runs_from_the_producers_request_to_the_handlers_sql(
     assert rows(effects, "SELECT message_id FROM effects") == [(str(message_id),)]
 
     spans = {span.name: span for span in exporter.get_finished_spans()}
-    send, process, work = spans["send traced.order"], spans["process traced.order"], \
-        spans["handler sql"]
+    send, process, work = (
+        spans["send traced.order"],
+        spans["process traced.order"],
+        spans["handler sql"],
+    )
     assert send.kind == SpanKind.PRODUCER and process.kind == SpanKind.CONSUMER
     for span in (send, process, work):
         assert span.context.trace_id == request_context.trace_id
@@ -202,5 +244,4 @@ def test_enqueue_adds_the_current_context_only_inside_a_span_and_never_over_the_
         assert given == {"traceparent": TRACEPARENT}
         tracing.add_current_context(headers)
     context = span.get_span_context()
-    assert headers["traceparent"].startswith(
-        f"00-{context.trace_id:032x}-{context.span_id:016x}-")
+    assert headers["traceparent"].startswith(f"00-{context.trace_id:032x}-{context.span_id:016x}-")

@@ -33,23 +33,34 @@ class LoopRelay:
     it makes: (worker, WORKERS) for a worker's share of the keys, (0, 1)
     for every key."""
 
-    def __init__(self, database: str, monkeypatch: pytest.MonkeyPatch, *,
-                 listen: bool = True, on_unroutable: str = "publish",
-                 **settings: object) -> None:
+    def __init__(
+        self,
+        database: str,
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        listen: bool = True,
+        on_unroutable: str = "publish",
+        **settings: object,
+    ) -> None:
         self.listen = listen
         self.claims: list[tuple[int, int]] = []
         claim = OutboxSession.claim
 
-        async def recorded(session: OutboxSession, limit: int, worker: int = 0,
-                           workers: int = 1) -> tuple[list[relay.rows.OutboxRow], int]:
+        async def recorded(
+            session: OutboxSession, limit: int, worker: int = 0, workers: int = 1
+        ) -> tuple[list[relay.rows.OutboxRow], int]:
             self.claims.append((worker, workers))
             return await claim(session, limit, worker, workers)
 
         monkeypatch.setattr(OutboxSession, "claim", recorded)
         settings.setdefault("poll_interval", 60)
-        config = OutboxSettings(database_url=database, broker=BrokerURL.parse(AMQP_URL),
-                                exchange="relay", on_unroutable=on_unroutable,
-                                **settings)  # type: ignore[arg-type]
+        config = OutboxSettings(
+            database_url=database,
+            broker=BrokerURL.parse(AMQP_URL),
+            exchange="relay",
+            on_unroutable=on_unroutable,
+            **settings,
+        )  # type: ignore[arg-type]
         self.broker = MemoryBroker()
         self.broker.bind("all", "#")
         self.store = Store(database)
@@ -71,8 +82,7 @@ class LoopRelay:
     async def settled(self, timeout: float = 10) -> None:
         """Wait until the listener is up and every worker sleeps, none woken."""
         deadline = time.monotonic() + timeout
-        while not ((self.listener.connected.is_set() or not self.listen)
-                   and self.relay.settled):
+        while not ((self.listener.connected.is_set() or not self.listen) and self.relay.settled):
             assert time.monotonic() < deadline, "the relay did not settle"
             for task in self.tasks:
                 if task.done():
@@ -107,9 +117,14 @@ def keys_of_every_share(engine: sa.Engine) -> list[str]:
 
 
 def outcome(engine: sa.Engine) -> dict[object, tuple[object, ...]]:
-    return {r[0]: r[1:] for r in rows(
-        engine, "SELECT id, status, attempts, last_error, "
-                "extract(epoch FROM available_at - now()) FROM outbox")}
+    return {
+        r[0]: r[1:]
+        for r in rows(
+            engine,
+            "SELECT id, status, attempts, last_error, "
+            "extract(epoch FROM available_at - now()) FROM outbox",
+        )
+    }
 
 
 # --------------------------------------------------------------------------
@@ -117,9 +132,7 @@ def outcome(engine: sa.Engine) -> dict[object, tuple[object, ...]]:
 # --------------------------------------------------------------------------
 
 
-async def test_a_quiet_relay_answers_a_notification_with_one_claim(
-    engine, database, monkeypatch
-):
+async def test_a_quiet_relay_answers_a_notification_with_one_claim(engine, database, monkeypatch):
     async with LoopRelay(database, monkeypatch) as quiet:
         quiet.claims.clear()
         keys = [*keys_of_every_share(engine), None]
@@ -143,8 +156,7 @@ async def test_a_full_batch_wakes_the_sleeping_workers_to_help(engine, database,
         await quiet.settled()
     # The scout's full batch woke the rest, each to claim its own share.
     assert quiet.claims[0] == (0, 1)
-    assert {worker for worker, workers in quiet.claims if workers == WORKERS} == set(
-        range(WORKERS))
+    assert {worker for worker, workers in quiet.claims if workers == WORKERS} == set(range(WORKERS))
     assert rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'") == [(200,)]
 
 
@@ -157,8 +169,7 @@ async def test_a_key_held_by_another_relay_goes_back_to_its_own_worker(
             first = relay.enqueue(conn, "held", {"n": 1}, key=key)
             second = relay.enqueue(conn, "held", {"n": 2}, key=key)
         with engine.connect() as other:  # another relay, holding the key's head
-            other.execute(sa.text("SELECT 1 FROM outbox WHERE id = :id FOR UPDATE"),
-                          {"id": first})
+            other.execute(sa.text("SELECT 1 FROM outbox WHERE id = :id FOR UPDATE"), {"id": first})
             quiet.claims.clear()
             quiet.relay.wake()  # the notification of the commit above
             await asyncio.sleep(0.3)
@@ -168,8 +179,9 @@ async def test_a_key_held_by_another_relay_goes_back_to_its_own_worker(
             assert quiet.claims[0] == (0, 1)
             assert (0, 1) not in quiet.claims[1:]
             assert quiet.claims.count((1, WORKERS)) > 3
-            other.execute(sa.text("UPDATE outbox SET status = 'published' WHERE id = :id"),
-                          {"id": first})
+            other.execute(
+                sa.text("UPDATE outbox SET status = 'published' WHERE id = :id"), {"id": first}
+            )
             other.commit()
         [message] = await quiet.received(1)
         assert message.message_id == str(second)
@@ -207,7 +219,8 @@ async def test_a_return_is_published_and_counted_or_under_fail_dies_at_max_attem
     loop.broker.return_when(lambda row: row.topic.startswith("nowhere"))
     async with loop:
         assert 'relay_outbox_unroutable_total{topic="nowhere.a"} 1.0' in (
-            loop.relay.metrics.render().decode())
+            loop.relay.metrics.render().decode()
+        )
     assert outcome(engine)[counted][:2] == ("published", 0)
 
     with engine.begin() as conn:
@@ -232,12 +245,14 @@ async def test_rows_stay_claimed_while_their_confirms_are_slow(engine, database,
         insert_outbox(engine, 5, topic="slow")
         await loop.received(5)  # on the broker, not yet confirmed
         # Claimed: locked by the worker's transaction, so another relay skips them.
-        assert rows(engine, "SELECT count(*) FROM (SELECT id FROM outbox "
-                            "FOR UPDATE SKIP LOCKED) t") == [(0,)]
+        assert rows(
+            engine, "SELECT count(*) FROM (SELECT id FROM outbox FOR UPDATE SKIP LOCKED) t"
+        ) == [(0,)]
         assert rows(engine, "SELECT DISTINCT status FROM outbox") == [("pending",)]
         await loop.settled(timeout=5)
     assert rows(engine, "SELECT status, attempts, count(*) FROM outbox GROUP BY 1, 2") == [
-        ("published", 0, 5)]
+        ("published", 0, 5)
+    ]
 
 
 async def test_a_connection_lost_mid_batch_releases_the_unconfirmed_rows_uncounted(
@@ -250,7 +265,8 @@ async def test_a_connection_lost_mid_batch_releases_the_unconfirmed_rows_uncount
         assert len(await loop.received(8)) == 8
         await loop.settled()
     assert rows(engine, "SELECT status, attempts, count(*) FROM outbox GROUP BY 1, 2") == [
-        ("published", 0, 8)]
+        ("published", 0, 8)
+    ]
 
 
 async def test_an_unreachable_broker_is_retried_and_counts_no_attempt(
@@ -282,7 +298,8 @@ async def test_a_blocked_broker_holds_publishing_without_claiming_or_counting(
         assert loop.publisher.blocked == "memory alarm"
         assert loop.broker.take("all") == []
         assert rows(engine, "SELECT status, attempts, count(*) FROM outbox GROUP BY 1, 2") == [
-            ("pending", 0, 3)]
+            ("pending", 0, 3)
+        ]
         loop.broker.unblock()
         assert len(await loop.received(3)) == 3
         await loop.settled()

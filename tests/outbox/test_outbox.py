@@ -28,8 +28,12 @@ async def test_once_publishes_with_the_contract_wire_format(engine, rabbit, run_
     queue = await rabbit.queue("orders.#")
     with engine.begin() as conn:
         message_id = relay.enqueue(
-            conn, "orders.placed", {"order_id": 7, "note": "é"}, key="order-7",
-            type="OrderPlaced", headers={"traceparent": "00-abc-def-01"},
+            conn,
+            "orders.placed",
+            {"order_id": 7, "note": "é"},
+            key="order-7",
+            type="OrderPlaced",
+            headers={"traceparent": "00-abc-def-01"},
         )
     created_at = rows(engine, "SELECT created_at FROM outbox")[0][0]
 
@@ -48,7 +52,8 @@ async def test_once_publishes_with_the_contract_wire_format(engine, rabbit, run_
     assert message.timestamp == created_at.replace(microsecond=0)
     assert message.headers == {"traceparent": "00-abc-def-01", "x-relay-key": "order-7"}
     [(status, published_at, attempts)] = rows(
-        engine, "SELECT status, published_at, attempts FROM outbox")
+        engine, "SELECT status, published_at, attempts FROM outbox"
+    )
     assert (status, attempts) == ("published", 0)
     assert published_at is not None
 
@@ -70,26 +75,26 @@ async def test_once_drains_a_backlog_and_marks_everything(engine, rabbit, run_re
     assert result.returncode == 0, result.stderr
     assert len(await rabbit.drain(queue, 3000)) == 3000
     assert rows(engine, "SELECT status, count(*) FROM outbox GROUP BY status") == [
-        ("published", 3000)]
+        ("published", 3000)
+    ]
 
 
 async def test_not_published_before_available_at(engine, rabbit, run_relay):
     queue = await rabbit.queue("later")
     with engine.begin() as conn:
-        relay.enqueue(conn, "later", {"a": 1},
-                      available_at=datetime.now(UTC) + timedelta(hours=1))
+        relay.enqueue(conn, "later", {"a": 1}, available_at=datetime.now(UTC) + timedelta(hours=1))
         relay.enqueue(conn, "later", {"a": 2})
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0
     [message] = await rabbit.drain(queue, 1)
     assert message.body == b'{"a":2}'
     assert await queue.get(fail=False, no_ack=True) is None
     assert sorted(r[0] for r in rows(engine, "SELECT status FROM outbox")) == [
-        "pending", "published"]
+        "pending",
+        "published",
+    ]
 
 
-async def test_notify_publishes_a_new_row_without_waiting_for_the_poll(
-    engine, rabbit, start_relay
-):
+async def test_notify_publishes_a_new_row_without_waiting_for_the_poll(engine, rabbit, start_relay):
     queue = await rabbit.queue("fast")
     daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--poll-interval", "60")
     daemon.wait_for_log("outbox relay started")
@@ -102,9 +107,7 @@ async def test_notify_publishes_a_new_row_without_waiting_for_the_poll(
     assert message.body == b'{"n":1}'
 
 
-async def test_the_listen_connection_shows_as_relay_like_the_others(
-    engine, rabbit, start_relay
-):
+async def test_the_listen_connection_shows_as_relay_like_the_others(engine, rabbit, start_relay):
     # An operator, or a drill that ends relay's backends, finds every
     # connection of the daemon by application_name: the pooled ones, the
     # workers' sessions and the LISTEN connection.
@@ -112,8 +115,11 @@ async def test_the_listen_connection_shows_as_relay_like_the_others(
     daemon.wait_for_log("outbox relay started")
 
     def listening() -> list[tuple[str]]:
-        return rows(engine, "SELECT application_name FROM pg_stat_activity "
-                            "WHERE datname = current_database() AND query = 'LISTEN relay_outbox'")
+        return rows(
+            engine,
+            "SELECT application_name FROM pg_stat_activity "
+            "WHERE datname = current_database() AND query = 'LISTEN relay_outbox'",
+        )
 
     wait_until(listening, message="the LISTEN connection")
     assert listening() == [("relay",)]
@@ -124,13 +130,20 @@ async def test_dead_row_policy_skip_lets_the_key_go_on_and_block_holds_it(
 ):
     queue = await rabbit.queue("k")
     with engine.begin() as conn:
-        conn.execute(sa.text(
-            "INSERT INTO outbox (topic, key, payload, status, attempts) "
-            "VALUES ('k', 'a', '1', 'dead', 3)"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO outbox (topic, key, payload, status, attempts) "
+                "VALUES ('k', 'a', '1', 'dead', 3)"
+            )
+        )
         relay.enqueue(conn, "k", 2, key="a")
         relay.enqueue(conn, "k", 3, key="b")
-    assert run_relay("outbox", "--once", "--exchange", rabbit.exchange,
-                     "--on-dead", "block").returncode == 0
+    assert (
+        run_relay(
+            "outbox", "--once", "--exchange", rabbit.exchange, "--on-dead", "block"
+        ).returncode
+        == 0
+    )
     [message] = await rabbit.drain(queue, 1)
     assert message.body == b"3"
     assert await queue.get(fail=False, no_ack=True) is None
@@ -143,8 +156,7 @@ async def test_dead_row_policy_skip_lets_the_key_go_on_and_block_holds_it(
 async def test_a_key_waits_behind_its_row_in_backoff(engine, rabbit, run_relay):
     queue = await rabbit.queue("k")
     with engine.begin() as conn:
-        relay.enqueue(conn, "k", 1, key="a",
-                      available_at=datetime.now(UTC) + timedelta(hours=1))
+        relay.enqueue(conn, "k", 1, key="a", available_at=datetime.now(UTC) + timedelta(hours=1))
         relay.enqueue(conn, "k", 2, key="a")
         relay.enqueue(conn, "k", 3, key="b")
     assert run_relay("outbox", "--once", "--exchange", rabbit.exchange).returncode == 0
@@ -156,25 +168,31 @@ async def test_sigterm_exits_zero_and_leaves_nothing_half_done(engine, rabbit, s
     await rabbit.queue("t.#")
     insert_outbox(engine, 20000, topic="t.x")
     daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--shutdown-timeout", "10")
-    wait_until(lambda: rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'")
-               [0][0] > 0)
+    wait_until(
+        lambda: rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'")[0][0] > 0
+    )
     started = time.monotonic()
     daemon.signal(signal.SIGTERM)
     assert daemon.wait(15) == 0
     assert time.monotonic() - started < 10
     # No row stays locked: a new claim can take every pending row at once.
     with engine.begin() as conn:
-        pending = conn.execute(sa.text(
-            "SELECT count(*) FROM outbox WHERE status = 'pending'")).scalar()
-        locked = conn.execute(sa.text(
-            "SELECT count(*) FROM (SELECT id FROM outbox WHERE status = 'pending' "
-            "FOR UPDATE SKIP LOCKED) t")).scalar()
+        pending = conn.execute(
+            sa.text("SELECT count(*) FROM outbox WHERE status = 'pending'")
+        ).scalar()
+        locked = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM (SELECT id FROM outbox WHERE status = 'pending' "
+                "FOR UPDATE SKIP LOCKED) t"
+            )
+        ).scalar()
     assert locked == pending
 
 
 def test_unreachable_database_is_retried_without_leaking_the_password(start_relay):
     daemon = start_relay(
-        "outbox", env={"RELAY_DATABASE_URL": "postgresql://u:hunter2@127.0.0.1:1/db"})
+        "outbox", env={"RELAY_DATABASE_URL": "postgresql://u:hunter2@127.0.0.1:1/db"}
+    )
     daemon.wait_for_log("retrying in", timeout=20)
     assert daemon.proc.poll() is None
     daemon.stop()
@@ -201,8 +219,13 @@ def test_bad_configuration_exits_2_with_one_clear_line(run_relay):
 def test_environment_variables_configure_and_flags_win(run_relay):
     result = run_relay("outbox", "--once", env={"RELAY_BATCH_SIZE": "0"})
     assert result.returncode == 2 and "RELAY_BATCH_SIZE" in result.stderr
-    result = run_relay("outbox", "--once", "--broker-url", "bogus://",
-                       env={"RELAY_BROKER_URL": "amqp://guest:guest@127.0.0.1/"})
+    result = run_relay(
+        "outbox",
+        "--once",
+        "--broker-url",
+        "bogus://",
+        env={"RELAY_BROKER_URL": "amqp://guest:guest@127.0.0.1/"},
+    )
     assert result.returncode == 2 and "bogus" in result.stderr
 
 
@@ -225,24 +248,27 @@ async def test_worker_session_commits_without_waiting_for_the_disk_and_plans_by_
     session = Store(database).outbox_session("skip")
     try:
         rows_, blocked = await session.claim(10)
-        assert ([r.payload for r in rows_], blocked) == (
-            ['{"i": 1}', '{"i": 2}', '{"i": 3}'], 0)
+        assert ([r.payload for r in rows_], blocked) == (['{"i": 1}', '{"i": 2}', '{"i": 3}'], 0)
         conn = session.connection
         assert conn is not None
-        settings = await (await conn.execute(
-            "SELECT current_setting('synchronous_commit'), current_setting('enable_seqscan'), "
-            "current_setting('jit')")).fetchone()
+        settings = await (
+            await conn.execute(
+                "SELECT current_setting('synchronous_commit'), current_setting('enable_seqscan'), "
+                "current_setting('jit')"
+            )
+        ).fetchone()
         assert settings == ("off", "off", "off")
         assert await session.finish([r.id for r in rows_[:2]]) == {}
     finally:
         await session.close()
     assert rows(engine, "SELECT status FROM outbox ORDER BY seq") == [
-        ("published",), ("published",), ("pending",)]
+        ("published",),
+        ("published",),
+        ("pending",),
+    ]
 
 
-async def test_worker_session_keeps_its_statements_through_failures_and_rollbacks(
-    engine, database
-):
+async def test_worker_session_keeps_its_statements_through_failures_and_rollbacks(engine, database):
     # psycopg prepares a statement run five times on its own, and answers a
     # ROLLBACK by deallocating every prepared statement of the session: the
     # claim's too, had the session let it prepare MARK_OUTBOX_FAILED.
@@ -251,8 +277,7 @@ async def test_worker_session_keeps_its_statements_through_failures_and_rollback
     try:
         for attempt in range(8):
             [row], _ = await session.claim(10)
-            statuses = await session.finish(
-                [], [(row, Failure("nack"), 0.0)], max_attempts=100)
+            statuses = await session.finish([], [(row, Failure("nack"), 0.0)], max_attempts=100)
             assert statuses == {row.id: "pending"}, attempt
         [row], _ = await session.claim(10)
         await session.abort()

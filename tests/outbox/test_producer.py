@@ -47,8 +47,12 @@ def test_enqueue_with_a_connection_stores_every_field(engine):
     later = datetime.now(UTC) + timedelta(minutes=5)
     with engine.begin() as conn:
         message_id = relay.enqueue(
-            conn, "orders.placed", {"order_id": 7, "items": [1, 2]}, key="order-7",
-            type="OrderPlaced", headers={"traceparent": "00-abc-01", "tenant": "t1"},
+            conn,
+            "orders.placed",
+            {"order_id": 7, "items": [1, 2]},
+            key="order-7",
+            type="OrderPlaced",
+            headers={"traceparent": "00-abc-01", "tenant": "t1"},
             available_at=later,
         )
     assert isinstance(message_id, uuid.UUID)
@@ -59,7 +63,11 @@ def test_enqueue_with_a_connection_stores_every_field(engine):
     assert row.headers == {"traceparent": "00-abc-01", "tenant": "t1"}
     assert row.available_at == later
     assert (row.status, row.attempts, row.last_error, row.published_at) == (
-        "pending", 0, None, None)
+        "pending",
+        0,
+        None,
+        None,
+    )
 
 
 def test_enqueue_defaults(engine):
@@ -102,13 +110,18 @@ def test_rollback_of_a_connection_leaves_no_row(engine):
 
 def test_enqueue_with_an_orm_session(engine):
     with Session(engine) as session, session.begin():
-        first = relay.enqueue(session, "orders.placed", {"n": 1}, key="k", type="T",
-                              headers={"h": "v"})
+        first = relay.enqueue(
+            session, "orders.placed", {"n": 1}, key="k", type="T", headers={"h": "v"}
+        )
         second = relay.enqueue(session, "orders.placed", {"n": 2}, key="k")
     got = outbox_rows(engine)
     assert [r.id for r in got] == [first, second]  # insertion order
     assert (got[0].key, got[0].type, got[0].headers, got[0].payload) == (
-        "k", "T", {"h": "v"}, {"n": 1})
+        "k",
+        "T",
+        {"h": "v"},
+        {"n": 1},
+    )
 
 
 def test_rollback_of_an_orm_session_leaves_no_row(engine):
@@ -130,21 +143,30 @@ async def test_enqueue_async_with_an_async_connection(engine, async_engine):
     later = datetime.now(UTC) + timedelta(hours=1)
     async with async_engine.begin() as conn:
         message_id = await relay.enqueue_async(
-            conn, "orders.shipped", {"order_id": 8}, key="order-8", type="OrderShipped",
-            headers={"traceparent": "x"}, available_at=later,
+            conn,
+            "orders.shipped",
+            {"order_id": 8},
+            key="order-8",
+            type="OrderShipped",
+            headers={"traceparent": "x"},
+            available_at=later,
         )
     [row] = outbox_rows(engine)
     assert row.id == message_id
     assert (row.topic, row.key, row.type, row.payload, row.headers) == (
-        "orders.shipped", "order-8", "OrderShipped", {"order_id": 8}, {"traceparent": "x"})
+        "orders.shipped",
+        "order-8",
+        "OrderShipped",
+        {"order_id": 8},
+        {"traceparent": "x"},
+    )
     assert row.available_at == later
 
 
 async def test_enqueue_async_with_an_async_session(engine, async_engine):
     wanted = uuid.uuid4()
     async with AsyncSession(async_engine) as session, session.begin():
-        message_id = await relay.enqueue_async(session, "t", {"s": True}, id=wanted,
-                                               type="Typed")
+        message_id = await relay.enqueue_async(session, "t", {"s": True}, id=wanted, type="Typed")
     assert message_id == wanted
     [row] = outbox_rows(engine)
     assert (row.id, row.payload, row.type) == (wanted, {"s": True}, "Typed")
@@ -218,9 +240,14 @@ def test_enqueue_with_a_psycopg_connection_commits_and_rolls_back_with_it(engine
     import psycopg
 
     with psycopg.connect(_libpq(database)) as conn:
-        message_id = relay.enqueue(conn, "orders.placed", {"order_id": 7, "big": 2**70},
-                                   key="order-7", type="OrderPlaced",
-                                   headers={"traceparent": "00-abc"})
+        message_id = relay.enqueue(
+            conn,
+            "orders.placed",
+            {"order_id": 7, "big": 2**70},
+            key="order-7",
+            type="OrderPlaced",
+            headers={"traceparent": "00-abc"},
+        )
         assert count(engine) == 0  # not committed yet
         conn.commit()
         relay.enqueue(conn, "orders.placed", {"order_id": 8})
@@ -274,8 +301,9 @@ def test_enqueue_with_djangos_connection_inside_atomic(engine, database):
             pass
         print(kept)
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     [row] = outbox_rows(engine)
     assert str(row.id) == result.stdout.strip()

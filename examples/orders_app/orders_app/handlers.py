@@ -38,9 +38,16 @@ def payment_received(message: relay.Message, conn: sa.Connection) -> None:
         raise LookupError(f"order {order_id} does not exist")
     log.info("payment of %s for order %s", amount, order_id)
     # The reaction is itself an outbox message, in the same transaction.
-    relay.enqueue(conn, "orders.paid", {"order_id": order_id}, key=f"order-{order_id}",
-                  type="OrderPaid", headers={"traceparent": message.headers.get("traceparent", "")}
-                  if message.headers.get("traceparent") else None)
+    relay.enqueue(
+        conn,
+        "orders.paid",
+        {"order_id": order_id},
+        key=f"order-{order_id}",
+        type="OrderPaid",
+        headers={"traceparent": message.headers.get("traceparent", "")}
+        if message.headers.get("traceparent")
+        else None,
+    )
 
 
 @registry.handler("OrderCancelled")

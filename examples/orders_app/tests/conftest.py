@@ -24,7 +24,8 @@ def database():
     with psycopg.connect(SERVER, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
     url = sa.make_url(SERVER.replace("postgresql://", "postgresql+psycopg://", 1)).set(
-        database=name)
+        database=name
+    )
     engine = sa.create_engine(url)
     with engine.begin() as conn:
         schema.apply(conn)

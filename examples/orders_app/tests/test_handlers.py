@@ -20,13 +20,16 @@ def conn(engine):
 
 
 def test_payment_marks_the_order_and_enqueues_order_paid(conn):
-    handle(registry, conn, "PaymentReceived", {"order_id": 7, "amount": 30},
-           headers={"traceparent": "00-abc-def-01"})
+    handle(
+        registry,
+        conn,
+        "PaymentReceived",
+        {"order_id": 7, "amount": 30},
+        headers={"traceparent": "00-abc-def-01"},
+    )
     assert conn.execute(sa.text("SELECT paid FROM orders WHERE id = 7")).scalar() == 30
-    topic, type_, headers = conn.execute(
-        sa.text("SELECT topic, type, headers FROM outbox")).one()
-    assert (topic, type_, headers) == ("orders.paid", "OrderPaid",
-                                       {"traceparent": "00-abc-def-01"})
+    topic, type_, headers = conn.execute(sa.text("SELECT topic, type, headers FROM outbox")).one()
+    assert (topic, type_, headers) == ("orders.paid", "OrderPaid", {"traceparent": "00-abc-def-01"})
 
 
 def test_payment_for_an_unknown_order_fails_and_leaves_nothing(conn):
