@@ -111,6 +111,8 @@ async def own_postgres() -> AsyncIterator[OwnPostgres]:
 
 
 def main() -> None:
+    # SIGTERM too (a background job started by a script ignores SIGINT).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     server = OwnPostgres()
     server.start()
     try:
