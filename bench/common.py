@@ -465,6 +465,21 @@ class Resources:
     def relay(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         return self.spawn(name, [*relay_command(), *args], env)
 
+    async def consumer(self, name: str, queue: str) -> tuple[Proc, Path]:
+        """bench.consumer on `queue`, connected and ready; it writes every
+        message's receipt time to the returned file once it is told on stdin
+        how many messages to wait for."""
+        receipts = self.workdir / f"{name}-receipts.json"
+        argv = [sys.executable, "-m", "bench.consumer", "--amqp-url", AMQP_URL, "--queue", queue]
+        proc = self.spawn(
+            name, [*argv, "--out", str(receipts)], relay_env(), stdin=True, stdout_pipe=True
+        )
+        assert proc.popen.stdout is not None and proc.popen.stdin is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.popen.stdout.readline), 30)
+        if line.strip() != b"ready":
+            raise BenchError(f"{name} did not start:\n{proc.tail()}")
+        return proc, receipts
+
     # -- cleanup ----------------------------------------------------------------
 
     async def close(self) -> list[str]:

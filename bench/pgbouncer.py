@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
 import orjson
 
@@ -64,28 +63,7 @@ async def measure(setup: str, rate: int, seconds: float) -> dict[str, float]:
         )
         await outbox.wait_log("outbox relay started", timeout=60)
         await asyncio.sleep(6 if setup == "transaction" else 0.5)  # the LISTEN self-check
-        receipts_file = res.workdir / "receipts.json"
-        consumer = res.spawn(
-            "consumer",
-            [
-                sys.executable,
-                "-m",
-                "bench.consumer",
-                "--amqp-url",
-                AMQP_URL,
-                "--queue",
-                queue,
-                "--out",
-                str(receipts_file),
-            ],
-            relay_env(),
-            stdin=True,
-            stdout_pipe=True,
-        )
-        assert consumer.popen.stdout is not None and consumer.popen.stdin is not None
-        line = await asyncio.wait_for(asyncio.to_thread(consumer.popen.stdout.readline), 30)
-        if line.strip() != b"ready":
-            raise BenchError(f"consumer did not start:\n{consumer.tail()}")
+        consumer, receipts_file = await res.consumer("consumer", queue)
         commits, achieved, _ = await produce(url, "bench.latency", rate, seconds)
         consumer.popen.stdin.write(f"{len(commits)}\n".encode())
         consumer.popen.stdin.flush()

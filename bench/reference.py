@@ -534,28 +534,7 @@ async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) ->
     relay = res.relay("outbox", "outbox", *_daemon_args(url, exchange))
     await relay.wait_log("outbox relay started", timeout=60)
     await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
-    receipts_file = res.workdir / "receipts.json"
-    consumer = res.spawn(
-        "consumer",
-        [
-            sys.executable,
-            "-m",
-            "bench.consumer",
-            "--amqp-url",
-            AMQP_URL,
-            "--queue",
-            queue,
-            "--out",
-            str(receipts_file),
-        ],
-        relay_env(),
-        stdin=True,
-        stdout_pipe=True,
-    )
-    assert consumer.popen.stdout is not None and consumer.popen.stdin is not None
-    line = await asyncio.wait_for(asyncio.to_thread(consumer.popen.stdout.readline), 30)
-    if line.strip() != b"ready":
-        raise BenchError(f"latency consumer did not start:\n{consumer.tail()}")
+    consumer, receipts_file = await res.consumer("consumer", queue)
     seconds = sz.latency_seconds
     loads = [loadavg()[0]]
     producers = []

@@ -421,28 +421,7 @@ async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
     await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
     warmup = min(0.5, sz.latency_seconds / 4)
     for rate in sz.latency_rates:
-        receipts_file = res.workdir / f"receipts_{rate}.json"
-        consumer = res.spawn(
-            f"consumer{rate}",
-            [
-                sys.executable,
-                "-m",
-                "bench.consumer",
-                "--amqp-url",
-                AMQP_URL,
-                "--queue",
-                queue,
-                "--out",
-                str(receipts_file),
-            ],
-            relay_env(),
-            stdin=True,
-            stdout_pipe=True,
-        )
-        assert consumer.popen.stdout is not None and consumer.popen.stdin is not None
-        line = await asyncio.wait_for(asyncio.to_thread(consumer.popen.stdout.readline), 30)
-        if line.strip() != b"ready":
-            raise BenchError(f"latency consumer did not start:\n{consumer.tail()}")
+        consumer, receipts_file = await res.consumer(f"consumer{rate}", queue)
         commits, achieved, durations = await produce(url, "bench.latency", rate, sz.latency_seconds)
         consumer.popen.stdin.write(f"{len(commits)}\n".encode())
         consumer.popen.stdin.flush()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import orjson
 import pytest
 
 from tests.conftest import free_port
@@ -141,6 +142,30 @@ class Sqs:
                 ],
             )
         return messages
+
+    def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """One message as relay's SQS outbox sends it: its fields as attributes."""
+        attributes = {}
+        for name, value in (
+            ("message_id", message_id),
+            ("type", type),
+            ("key", key),
+            ("headers", orjson.dumps(headers).decode() if headers else None),
+        ):
+            if value is not None:
+                attributes[name] = {"DataType": "String", "StringValue": value}
+        self.client.send_message(
+            QueueUrl=self.urls[queue], MessageBody=body.decode(), MessageAttributes=attributes
+        )
 
     def count(self, name: str) -> int:
         """Visible plus in-flight messages."""

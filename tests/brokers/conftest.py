@@ -300,20 +300,14 @@ class SqsPort:
         key: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        attributes = {}
-        for name, value in (
-            ("message_id", message_id),
-            ("type", type),
-            ("key", key),
-            ("headers", orjson.dumps(headers).decode() if headers else None),
-        ):
-            if value is not None:
-                attributes[name] = {"DataType": "String", "StringValue": value}
         await asyncio.to_thread(
-            self.sqs.client.send_message,
-            QueueUrl=self.sqs.urls[queue],
-            MessageBody=body.decode(),
-            MessageAttributes=attributes,
+            self.sqs.send,
+            queue,
+            body,
+            message_id=message_id,
+            type=type,
+            key=key,
+            headers=headers,
         )
 
     def fallback_type(self, queue: str) -> str:
