@@ -480,6 +480,19 @@ class Resources:
             raise BenchError(f"{name} did not start:\n{proc.tail()}")
         return proc, receipts
 
+    @staticmethod
+    async def receipts(consumer: Proc, receipts: Path, count: int) -> dict[str, float]:
+        """Tell a consumer from consumer() to wait for `count` messages; once it
+        has exited, their receipt times by message id."""
+        assert consumer.popen.stdin is not None
+        consumer.popen.stdin.write(f"{count}\n".encode())
+        consumer.popen.stdin.flush()
+        code = await consumer.wait_exit(60)
+        if code != 0:
+            raise BenchError(f"{consumer.name} exited {code}:\n{consumer.tail()}")
+        found: dict[str, float] = orjson.loads(receipts.read_bytes())
+        return found
+
     # -- cleanup ----------------------------------------------------------------
 
     async def close(self) -> list[str]:

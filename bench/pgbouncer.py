@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import orjson
-
 from bench.common import (
     AMQP_URL,
     PG_URL,
@@ -65,11 +63,7 @@ async def measure(setup: str, rate: int, seconds: float) -> dict[str, float]:
         await asyncio.sleep(6 if setup == "transaction" else 0.5)  # the LISTEN self-check
         consumer, receipts_file = await res.consumer("consumer", queue)
         commits, achieved, _ = await produce(url, "bench.latency", rate, seconds)
-        consumer.popen.stdin.write(f"{len(commits)}\n".encode())
-        consumer.popen.stdin.flush()
-        if await consumer.wait_exit(60) != 0:
-            raise BenchError(f"consumer failed:\n{consumer.tail()}")
-        receipts = orjson.loads(receipts_file.read_bytes())
+        receipts = await res.receipts(consumer, receipts_file, len(commits))
         latencies = sorted(
             (receipts[m] - committed) * 1000
             for m, (committed, offset) in commits.items()

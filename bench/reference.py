@@ -591,12 +591,7 @@ async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) ->
         last = max(last, result["last"])
     loads.append(loadavg()[0])
     achieved = len(commits) / (last - start)
-    consumer.popen.stdin.write(f"{len(commits)}\n".encode())
-    consumer.popen.stdin.flush()
-    code = await consumer.wait_exit(60)
-    if code != 0:
-        raise BenchError(f"latency consumer exited {code}:\n{consumer.tail()}")
-    receipts = orjson.loads(receipts_file.read_bytes())
+    receipts = await res.receipts(consumer, receipts_file, len(commits))
     missing = [m for m in commits if m not in receipts]
     if missing:
         raise BenchError(f"{len(missing)} of {len(commits)} messages never arrived")

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
-import orjson
 
 from bench import common, limits
 from bench.backlog import scenario_backlog, scenario_retention
@@ -423,12 +422,7 @@ async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
     for rate in sz.latency_rates:
         consumer, receipts_file = await res.consumer(f"consumer{rate}", queue)
         commits, achieved, durations = await produce(url, "bench.latency", rate, sz.latency_seconds)
-        consumer.popen.stdin.write(f"{len(commits)}\n".encode())
-        consumer.popen.stdin.flush()
-        code = await consumer.wait_exit(60)
-        if code != 0:
-            raise BenchError(f"latency consumer exited {code}:\n{consumer.tail()}")
-        receipts = orjson.loads(receipts_file.read_bytes())
+        receipts = await res.receipts(consumer, receipts_file, len(commits))
         missing = [m for m in commits if m not in receipts]
         if missing:
             raise BenchError(
