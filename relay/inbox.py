@@ -223,7 +223,7 @@ class Dispatcher:
             failed.append((row, failure, self.backoff.delay(row.attempts + 1)))
             if row.key is not None:
                 failed_keys.add(row.key)
-        savepoints.release()
+        savepoints.before_marks()
         return processed, failed
 
     def _handle(

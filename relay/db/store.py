@@ -42,6 +42,7 @@ STATUSES = {
 # transaction); see queries/session.sql.
 PLAN_CLAIM = query("plan_claim")
 UNPLAN_CLAIM = query("unplan_claim")
+PLAN_MARKS = query("plan_marks")
 
 
 def statement(sql: str) -> sa.TextClause:
@@ -84,20 +85,34 @@ class Savepoint:
         """Roll back what ran since the last set()."""
         self._exec(self._undo)
 
-    def release(self) -> None:
-        """End the savepoint (and any set after it), keeping what ran."""
-        if self._open:
-            self._exec(self._release)
-            self._open = False
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    def release_command(self) -> str:
+        """The command that ends the savepoint (and any set after it),
+        keeping what ran; to be sent with others in one round trip."""
+        self._open = False
+        return self._release
+
+    def forget(self) -> None:
+        """The savepoint was ended by another (set before it) being released."""
+        self._open = False
 
     def _exec(self, command: str) -> None:
-        result = self._pgconn.exec_(command.encode())
-        if result.status == psycopg.pq.ExecStatus.COMMAND_OK:
-            return
-        message = (result.error_message or self._pgconn.error_message).decode(errors="replace")
-        raise failed_command(
-            command, message, connection_bad=self._pgconn.status == psycopg.pq.ConnStatus.BAD
-        )
+        _exec(self._pgconn, command)
+
+
+def _exec(pgconn: Any, command: str) -> None:
+    """One simple-protocol query straight through libpq (several commands
+    separated by semicolons are one round trip)."""
+    result = pgconn.exec_(command.encode())
+    if result.status == psycopg.pq.ExecStatus.COMMAND_OK:
+        return
+    message = (result.error_message or pgconn.error_message).decode(errors="replace")
+    raise failed_command(
+        command, message, connection_bad=pgconn.status == psycopg.pq.ConnStatus.BAD
+    )
 
 
 class HandlerSavepoints:
@@ -113,19 +128,26 @@ class HandlerSavepoints:
         self.batch = Savepoint(self._pgconn, "batch")
         self.handler = Savepoint(self._pgconn, "handler")
 
-    def release(self) -> None:
-        """End the savepoints before the batch's marks, so that the marks run
-        in the transaction itself. A row this transaction locked (the claim's
-        FOR UPDATE) and then updated from inside a savepoint gets a MultiXact
-        as its xmax, and an index scan never takes a MultiXact's row version
-        for surely dead: its entries in the pending and per-key indexes stay
-        live for every claim to visit in the heap until a vacuum, and the
-        claim's walk to the lowest pending row grows through a backlog
-        (docs/backlog.md). One round trip a batch."""
-        if self.batch._open:
-            self.batch.release()  # ends relay_handler too, if set after it
-            self.handler._open = False
-        self.handler.release()
+    def before_marks(self) -> None:
+        """Ready the transaction for the batch's marks, in one round trip.
+
+        - End the savepoints, so that the marks run in the transaction
+          itself. A row this transaction locked (the claim's FOR UPDATE) and
+          then updated from inside a savepoint gets a MultiXact as its xmax,
+          and an index scan never takes a MultiXact's row version for surely
+          dead: its entries in the pending and per-key indexes stay live for
+          every claim to visit in the heap until a vacuum, and the claim's
+          walk to the lowest pending row grows through a backlog
+          (docs/backlog.md).
+        - Plan the marks for the table as it is now (`plan_marks`)."""
+        commands = []
+        if self.batch.open:
+            commands.append(self.batch.release_command())  # ends relay_handler too
+            self.handler.forget()
+        if self.handler.open:
+            commands.append(self.handler.release_command())
+        commands.append(PLAN_MARKS)
+        _exec(self._pgconn, "; ".join(commands))
 
     def aborted(self) -> bool:
         """Did a statement fail in the transaction (no round trip)?"""

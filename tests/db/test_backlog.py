@@ -4,12 +4,14 @@ the real PostgreSQL and RabbitMQ."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 import orjson
 import sqlalchemy as sa
 
+from relay.db import Store
 from tests.conftest import free_port, insert_outbox, rows, wait_until
 from tests.ops.test_operations import metric_is, scrape
 
@@ -132,3 +134,51 @@ async def test_inbox_marks_leave_no_multixact_row_versions(effects, rabbit, inbo
     updated = [m for (m,) in versions if not m & HEAP_XMAX_LOCK_ONLY]
     assert len(updated) == 8  # every processed row left its pending version
     assert [m for m in updated if m & HEAP_XMAX_IS_MULTI] == []
+
+
+def test_inbox_marks_are_planned_for_the_table_as_it_is(database):
+    """psycopg prepares a statement on its fifth run, and the server may then
+    keep one generic plan for good: one made while the table held a few rows
+    matched only the consumer in the primary key and filtered the ids row by
+    row, so every later batch walked all of its consumer's rows. The
+    dispatcher's marks run after `before_marks()`, which has them planned
+    afresh each time: on the dispatcher's own connection, the prepared mark
+    was never planned generically."""
+    store = Store(database, pool_size=1, sync=True)
+    consumer = "plans"
+    try:
+        for batch in range(16):
+            with store.sync_transaction() as conn:
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO inbox (consumer, message_id, payload) "
+                        "SELECT :c, :b || '-' || i, '{}' FROM generate_series(1, 3) i"
+                    ),
+                    {"c": consumer, "b": str(batch)},
+                )
+            with store.sync_transaction() as conn:
+                claimed, blocked = store.claim_inbox(conn, consumer, 100, "skip")
+                assert (len(claimed), blocked) == (3, 0)
+                savepoints = store.handler_savepoints(conn)
+                savepoints.batch.set()
+                savepoints.before_marks()
+                store.mark_processed(conn, consumer, [row.message_id for row in claimed])
+        with store.sync_transaction() as conn:
+            plans = conn.execute(
+                sa.text(
+                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                    "WHERE statement LIKE 'UPDATE inbox SET status = ''processed''%'"
+                )
+            ).all()
+            left = conn.execute(
+                sa.text("SELECT count(*) FROM inbox WHERE status <> 'processed'")
+            ).scalar()
+    finally:
+        asyncio.run(store.close())
+    assert left == 0
+    assert len(plans) == 1, plans  # prepared: the case this is about
+    generic, custom = plans[0]
+    # The server plans a prepared statement anew for its first five runs in
+    # any case, and only then may keep a generic plan.
+    assert generic == 0
+    assert custom > 5
