@@ -35,6 +35,7 @@ from bench.common import (
     free_port,
     payload,
     scalar,
+    settle,
 )
 
 if TYPE_CHECKING:
@@ -230,9 +231,10 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
         exchange, queue = res.names(f"backlog_{label}")
         await res.bind_queue(exchange, queue)
         await fill_queue(res, exchange, queue, n)
+        calm = await settle(url, quiet_for=sz.quiet_for)
         points = await run_inbox(res, url, exchange, queue, n)
         if label == "inbox":
-            _report_fifths(report, "backlog", "inbox", points, n)
+            _report_fifths(report, "backlog", "inbox", points, n, **calm)
             # The receiver's storing rate per fifth: tells a slower handling
             # from a receiver (or broker) that fell behind.
             stored = await batch_times(
@@ -258,6 +260,7 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
                 window_rate(points, 0.0, 1.0),
                 "msgs/s",
                 messages=n,
+                **calm,
             )
         await res.drop_database(url)
 
@@ -269,10 +272,17 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
     exchange, queue = res.names("backlog_out")
     await res.bind_queue(exchange, queue)
     await preload_outbox(url, count)
+    calm = await settle(url, quiet_for=sz.quiet_for)
     started = time.monotonic()
     points = await run_outbox(res, url, exchange, count)
     _report_fifths(
-        report, "backlog", "outbox", points, count, seconds=round(time.monotonic() - started, 1)
+        report,
+        "backlog",
+        "outbox",
+        points,
+        count,
+        seconds=round(time.monotonic() - started, 1),
+        **calm,
     )
     report.add("backlog", "outbox_dead_tuples_at_end", await dead_tuples(url, "outbox"), "rows")
     await res.drop_database(url)
@@ -292,12 +302,14 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
                 if rows:
                     await preload_outbox(url, rows, status="published", age_hours=20)
                 await preload_outbox(url, measured)
+                calm = await settle(url, quiet_for=sz.quiet_for)
                 points = await run_outbox(res, url, exchange, measured)
             else:
                 await _create_effects(url)
                 if rows:
                     await preload_inbox_rows(url, queue, rows, age_hours=24 * 6)
                 await fill_queue(res, exchange, queue, measured)
+                calm = await settle(url, quiet_for=sz.quiet_for)
                 points = await run_inbox(res, url, exchange, queue, measured)
             report.add(
                 "retention",
@@ -306,6 +318,7 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
                 "msgs/s",
                 messages=measured,
                 finished_rows=rows,
+                **calm,
             )
             await res.drop_database(url)
         empty, full = (

@@ -173,6 +173,49 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot; waiting on the disk
+    counts as busy (a server still writing slows the next run's fsyncs)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3]  # iowait (fields[4]) stays in busy
+    return sum(fields) - idle, sum(fields)
+
+
+async def settle(
+    url: str | None = None, *, busy: float = 0.15, quiet_for: int = 5, timeout: float = 180.0
+) -> dict[str, float | bool | None]:
+    """Let the work before a measurement finish before it starts: CHECKPOINT
+    the server of `url` (the preload's dirty pages are written now, not in
+    the measurement's first seconds), then wait until the machine's CPUs
+    were busy under `busy` (a fraction of all of them) for `quiet_for`
+    seconds in a row, or `timeout` passed.
+
+    A long scenario is judged by comparing its own stretches (a backlog's
+    first fifth with its last), and a broker still deleting the previous
+    scenario's million messages, or a server still writing out a preload,
+    made one run's first fifth 0.55 x its others. Returns the seconds
+    waited, whether the machine became quiet, and the last second's busy
+    fraction, for the result file."""
+    started = time.monotonic()
+    if url is not None:
+        async with await connect(url, autocommit=True) as conn:
+            await conn.execute("CHECKPOINT")
+    calm, last = 0, _cpu_times()
+    fraction: float | None = None
+    while calm < quiet_for and time.monotonic() - started < timeout:
+        await asyncio.sleep(1.0)
+        now = _cpu_times()
+        fraction = (now[0] - last[0]) / max(1, now[1] - last[1])
+        last = now
+        calm = calm + 1 if fraction < busy else 0
+    return {
+        "settle_s": round(time.monotonic() - started, 1),
+        "settled": calm >= quiet_for,
+        "busy_before": None if fraction is None else round(fraction, 3),
+    }
+
+
 # --------------------------------------------------------------------------
 # Processes and their memory
 # --------------------------------------------------------------------------

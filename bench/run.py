@@ -103,6 +103,9 @@ class Sizes:
     wire_rounds: int = 2
     sqs_ref: int = 1_000  # moto's ReceiveMessage is quadratic in the queue's depth
     multi: int = 50_000
+    # Seconds of a quiet machine that backlog and retention wait for before
+    # each daemon starts (bench.common.settle); 0: no wait.
+    quiet_for: int = 5
 
     def scaled(self, factor: float) -> Sizes:
         if factor == 1:
@@ -117,6 +120,7 @@ class Sizes:
                 "scale_pending",
                 "latency_rates",
                 "wire_rounds",
+                "quiet_for",
             )
         }
         small, large = self.scale_pending
@@ -158,6 +162,7 @@ QUICK = Sizes(
     wire_rounds=1,
     sqs_ref=100,
     multi=5_000,
+    quiet_for=0,
 )
 
 
