@@ -192,10 +192,10 @@ async def settle(
     seconds in a row, or `timeout` passed.
 
     A long scenario is judged by comparing its own stretches (a backlog's
-    first fifth with its last), and a broker still deleting the previous
-    scenario's million messages, or a server still writing out a preload,
-    made one run's first fifth 0.55 x its others. Returns the seconds
-    waited, whether the machine became quiet, and the last second's busy
+    first fifth with its last): work left over from before it (a broker
+    deleting the previous scenario's messages, a server writing out a
+    preload) must not land in one of them. Returns the seconds waited,
+    whether the machine became quiet, and the last second's busy
     fraction, for the result file."""
     started = time.monotonic()
     if url is not None:
