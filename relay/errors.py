@@ -7,6 +7,8 @@
     ├── Unavailable          a server is away: retry with backoff, never a failed attempt
     │   ├── DatabaseUnavailable
     │   └── BrokerUnavailable
+    ├── ShareBusy            another worker holds an outbox worker's share of the keys:
+    │                        claim again at once, never a failed attempt, nothing to log
     ├── ContentError         a message relay cannot carry as given (also a ValueError):
     │   │                    never retried as it is; dead, with the reason
     │   ├── InvalidMessage   enqueue refuses it: the app's call raises
@@ -55,6 +57,14 @@ class BrokerUnavailable(Unavailable):
 
 class SchemaNotReady(SchemaError, Unavailable):
     """The tables are missing or older than this relay: waited for, not fatal."""
+
+
+class ShareBusy(RelayError):
+    """An outbox worker's share of the keys is held by another worker (of
+    any relay) past the wait (PostgreSQL's lock_not_available), or a scout
+    found one share held: its transaction is rolled back and it claims again
+    (a scout hands the keys back to their workers). Not an error, not an
+    attempt: only DEBUG logs it."""
 
 
 # -- a message's content -------------------------------------------------------

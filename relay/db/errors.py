@@ -2,7 +2,8 @@
 
 Errors that mean "the server went away" become DatabaseUnavailable, with
 `raise … from exc`, so the loops catch one class and retry with backoff;
-a value PostgreSQL refuses in a received batch becomes Refused. Every path
+a value PostgreSQL refuses in a received batch becomes Refused; an outbox
+worker's share lock waited for past lock_timeout becomes ShareBusy. Every path
 to PostgreSQL in relay.db goes through `translate_errors` (or, where it
 must close a connection first, `unavailable`).
 
@@ -19,18 +20,20 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 
-from relay.errors import DatabaseUnavailable, Refused
+from relay.errors import DatabaseUnavailable, Refused, ShareBusy
 
 Predicate = Callable[[BaseException], bool]
 
 __all__ = [
     "Refused",
+    "ShareBusy",
     "any_driver_error",
     "connection_invalidated",
     "describe",
     "failed_command",
     "is_disconnect",
     "is_driver_error",
+    "lock_not_available",
     "refused_by_content",
     "statement_gone",
     "translate_errors",
@@ -71,6 +74,12 @@ def any_driver_error(exc: BaseException) -> bool:
     return isinstance(exc, (psycopg.Error, OSError))
 
 
+def lock_not_available(exc: BaseException) -> bool:
+    """A lock waited for past lock_timeout (SQLSTATE 55P03): the connection is
+    fine, the transaction is aborted."""
+    return isinstance(exc, psycopg.errors.LockNotAvailable)
+
+
 def is_driver_error(exc: BaseException) -> bool:
     """Did the driver raise it (rather than relay's code, or a cancellation)?"""
     return isinstance(exc, psycopg.Error)
@@ -100,13 +109,18 @@ def failed_command(command: str, message: str, *, connection_bad: bool) -> Excep
     return psycopg.DatabaseError(f"{command}: {message.strip()}")
 
 
-def unavailable(exc: BaseException, lost: Predicate = is_disconnect) -> BaseException | None:
+def unavailable(
+    exc: BaseException, lost: Predicate = is_disconnect, *, busy: Predicate | None = None
+) -> BaseException | None:
     """relay's own error for `exc`, or None when `exc` goes on as it is:
     DatabaseUnavailable when `lost(exc)` (by default: the server went away),
     Refused for a value PostgreSQL would not take when `lost` takes any
-    driver error."""
-    if isinstance(exc, DatabaseUnavailable) or not isinstance(exc, Exception):
+    driver error, ShareBusy when `busy(exc)` (the outbox workers' sessions
+    pass lock_not_available: the only lock they wait for is their share's)."""
+    if isinstance(exc, (DatabaseUnavailable, ShareBusy)) or not isinstance(exc, Exception):
         return None
+    if busy is not None and busy(exc):
+        return ShareBusy(describe(exc))
     if lost is any_driver_error and is_driver_error(exc) and refused_by_content(exc):
         first = str(exc).strip().splitlines()
         return Refused(first[0] if first else type(exc).__name__)
