@@ -26,7 +26,7 @@ from relay.backoff import (
 from relay.brokers import Outcome, Publisher
 from relay.config import OutboxSettings
 from relay.db import OutboxSession, Store
-from relay.errors import BrokerUnavailable, Unavailable
+from relay.errors import BrokerUnavailable, ShareBusy, Unavailable
 from relay.metrics import OutboxMetrics
 from relay.rows import Failure, OutboxRow
 from relay.workers import BLOCKED_RETRY, report_failure
@@ -62,6 +62,7 @@ class OutboxRelay:
         self._wakeups: dict[int, asyncio.Event] = {}  # by worker
         self._idle: set[int] = set()  # workers waiting for a notification
         self._scouts: set[int] = set()  # woken to claim every key's rows
+        self._holding: dict[int, frozenset[int]] = {}  # the share locks each batch holds
         self._sessions: dict[int, OutboxSession] = {}
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
@@ -111,14 +112,24 @@ class OutboxRelay:
         on the worker's own connection.
 
         Returns how many rows it published or failed, and how many it left
-        for the worker that holds an earlier row of their key."""
+        for the worker that holds an earlier row of their key. Raises
+        ShareBusy (nothing claimed) when the share's lock stayed held by
+        another relay's worker, or with every_key when one share was held
+        elsewhere: the locks, one per share across every relay, are how no
+        two relays claim rows of the same keys at once."""
         s = self.settings
         session = self._sessions.get(worker)
         if session is None:
-            session = self._sessions[worker] = self.store.outbox_session(s.on_dead)
+            session = self._sessions[worker] = self.store.outbox_session(s.on_dead, WORKERS)
+        # A claim of every key leaves out the shares this relay's own
+        # batches hold: their rows it skips, as one relay's workers always did.
+        held = frozenset[int]().union(*self._holding.values()) if every_key else frozenset()
         try:
             share = (0, 1) if every_key else (worker, workers)
-            rows, blocked = await session.claim(s.batch_size, *share)
+            rows, blocked = await session.claim(s.batch_size, *share, held=held)
+            self._holding[worker] = (
+                frozenset(range(WORKERS)) - held if every_key else frozenset({worker})
+            )
             if not rows:
                 await session.finish(())
                 return 0, blocked
@@ -152,6 +163,8 @@ class OutboxRelay:
         except BaseException:
             await session.abort()
             raise
+        finally:
+            self._holding.pop(worker, None)
         self.metrics.published.inc(len(published))
         for row, failure, delay in failed:
             report_failure(
@@ -245,6 +258,16 @@ class OutboxRelay:
             try:
                 done, blocked = await self.publish_batch(worker, WORKERS, every_key=scout)
                 failures = 0
+            except ShareBusy:
+                # Another relay's worker held the share all the while: ask
+                # again, waiting in PostgreSQL's queue (unless stopping). A
+                # scout that found a share held elsewhere hands the keys
+                # back: the idle workers claim their own shares, it its own.
+                log.debug("worker %d: share busy%s", worker, " (scout)" if scout else "")
+                if scout:
+                    self._scouts.discard(worker)
+                    self._wake_idle()
+                continue
             except Unavailable as exc:
                 failures += 1
                 await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)

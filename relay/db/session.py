@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import psycopg
 
 from relay.db import connect as pg
-from relay.db.errors import is_disconnect, is_driver_error, statement_gone, unavailable
+from relay.db.errors import (
+    is_disconnect,
+    is_driver_error,
+    lock_not_available,
+    statement_gone,
+    unavailable,
+)
 from relay.db.sql import claim, numbered, pyformat, query
+from relay.errors import ShareBusy
 from relay.limits import clean_error
 from relay.rows import Failure, OutboxRow
 
@@ -39,6 +46,39 @@ _CLAIM_PARAMETERS = ("limit", "worker", "workers")
 MARK_PUBLISHED = numbered(query("outbox_mark_published"), ["ids"])
 MARK_OUTBOX_FAILED = pyformat(query("outbox_mark_failed"))
 
+# The share locks (docs/outbox.md, "Per-key order"): one transaction-level
+# advisory lock per share of the keys, across every relay on the database,
+# in the two-integer key space: (SHARE_LOCK_CLASS, share_key(share, shares)).
+# The class spells "rels"; the producer trigger's per-key locks use class
+# 0x72656C79 ("rely") of the same space, and the schema's, retention's and
+# the demo's locks the one-bigint space, which never meets this one.
+SHARE_LOCK_CLASS = 0x72656C73
+# How long a worker waits in PostgreSQL for its share before it asks again
+# (ShareBusy): far longer than a batch holds it, short enough that a
+# stopping relay's waiting workers notice within a second.
+SHARE_WAIT_MS = 1000
+_SHARE_WAIT = numbered(query("outbox_share_wait"), ["timeout", "class", "share"])
+_SHARES_TRY = numbered(query("outbox_shares_try"), ["class", "shares"])
+
+
+def share_key(share: int, shares: int) -> int:
+    """The lock of share `share` of `shares`: relays split in different
+    numbers of shares (other versions) never take each other's for their own."""
+    return shares << 16 | share
+
+
+def _written(sql: str, values: Sequence[int | Sequence[int]]) -> str:
+    """A numbered statement with its values written in ($n: the n-th), for
+    the simple protocol: integers (int()) and arrays of integers only."""
+
+    def value(match: re.Match[str]) -> str:
+        v = values[int(match[1]) - 1]
+        if isinstance(v, int):
+            return str(int(v))
+        return "'{" + ",".join(str(int(n)) for n in v) + "}'"
+
+    return re.sub(r"\$(\d+)", value, sql)
+
 
 def _lost(exc: BaseException) -> bool:
     # A statement gone from the session (a pooler between us and the
@@ -50,7 +90,7 @@ class OutboxSession:
     """One outbox worker's own connection, on which a batch costs two round
     trips (one before the publish, one after) of the simple protocol:
 
-        BEGIN; EXECUTE relay_claim(limit, worker, workers)
+        BEGIN; <its share's lock>; EXECUTE relay_claim(limit, worker, workers)
         EXECUTE relay_mark('{ids}'); COMMIT
 
     The statements are prepared once per connection. Through a pooled
@@ -61,10 +101,14 @@ class OutboxSession:
     break; errors meaning the server went away become DatabaseUnavailable.
     """
 
-    def __init__(self, conninfo: str, options: Sequence[str], on_dead: str) -> None:
+    def __init__(
+        self, conninfo: str, options: Sequence[str], on_dead: str, shares: int = 1
+    ) -> None:
         self.conninfo = conninfo
         self.options = " ".join([*options, *OUTBOX_SESSION_OPTIONS])
         self.on_dead = on_dead
+        # The keys' shares the locks are taken for: the relay's workers.
+        self.shares = shares
         self._conn: psycopg.AsyncConnection[Any] | None = None
         # Behind a pooler (see relay.db.connect): no PREPARE and no session
         # settings; each batch says its statements and SET LOCALs in full,
@@ -73,26 +117,44 @@ class OutboxSession:
         self._claim_sql = numbered(claim("outbox", on_dead), _CLAIM_PARAMETERS)
 
     async def claim(
-        self, limit: int, worker: int = 0, workers: int = 1
+        self, limit: int, worker: int = 0, workers: int = 1, *, held: Collection[int] = ()
     ) -> tuple[list[OutboxRow], int]:
         """Begin a batch's transaction and lock due rows of this worker's
-        share of the keys; returns the publishable ones and how many wait on
-        another relay's rows of their key. finish() or abort() must follow."""
+        share of the keys (or, with workers 1, of every key); returns the
+        publishable ones and how many wait on another relay's rows of their
+        key. finish() or abort() must follow, also after ShareBusy.
+
+        A share's claim first waits for the share's lock (SHARE_WAIT_MS at
+        most, then ShareBusy); a claim of every key tries the lock of every
+        share but those in `held` (held by the caller's own workers, whose
+        rows it skips as SKIP LOCKED always did) and, when one is held
+        elsewhere, claims nothing and raises ShareBusy."""
+        every_key = workers == 1
+        if not every_key and workers != self.shares:
+            raise ValueError(f"{workers} shares of the keys, but locks for {self.shares}")
         async with self._errors():
             conn = await self._connect()
             cursor = conn.cursor()
-            args = [str(int(limit)), str(int(worker)), str(int(workers))]
-            if self.pooled:
-                claim = (
-                    _POOLED_SESSION
-                    + "; "
-                    + re.sub(r"\$(\d+)", lambda m: args[int(m[1]) - 1], self._claim_sql)
-                )
+            args = [int(limit), int(worker), int(workers)]
+            if every_key:
+                tried = [share_key(s, self.shares) for s in range(self.shares) if s not in held]
+                lock = _written(_SHARES_TRY, [SHARE_LOCK_CLASS, tried])
             else:
-                claim = f"EXECUTE relay_claim({', '.join(args)})"
+                key = share_key(worker, workers)
+                lock = _written(_SHARE_WAIT, [SHARE_WAIT_MS, SHARE_LOCK_CLASS, key])
+            if self.pooled:
+                claim = f"{_POOLED_SESSION}; {lock}; {_written(self._claim_sql, args)}"
+            else:
+                claim = f"{lock}; EXECUTE relay_claim({', '.join(map(str, args))})"
             await cursor.execute(f"BEGIN; {claim}")
-            while cursor.nextset():  # to the claim's rows, after the SETs
-                pass
+            busy = False
+            while True:  # to the claim's rows, after the SETs and the locks
+                if cursor.description and cursor.description[0].name == "shares_busy":
+                    busy = await cursor.fetchone() == ("true",)
+                if not cursor.nextset():
+                    break
+            if busy:
+                raise ShareBusy("a share of the keys is held by another worker")
             rows, blocked = [], 0
             for *fields, is_blocked in await cursor.fetchall():
                 if is_blocked:
@@ -190,7 +252,15 @@ class OutboxSession:
         except BaseException as exc:
             # Cancelled or broken mid-statement, the connection is in no
             # known state: start again on a new one.
-            error = unavailable(exc, _lost) if isinstance(exc, Exception) else None
+            if isinstance(exc, ShareBusy):
+                raise  # the connection is fine: abort() rolls the transaction back
+            error = (
+                unavailable(exc, _lost, busy=lock_not_available)
+                if isinstance(exc, Exception)
+                else None
+            )
+            if isinstance(error, ShareBusy):
+                raise error from exc  # the same: only the lock wait timed out
             if error is not None or not is_driver_error(exc):
                 await self.close()
             if error is not None:

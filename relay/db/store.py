@@ -283,9 +283,10 @@ class Store:
 
     # -- outbox --------------------------------------------------------------
 
-    def outbox_session(self, on_dead: str) -> OutboxSession:
-        """A connection of its own for one outbox worker (see OutboxSession)."""
-        return OutboxSession(self.conninfo, self.session_options, on_dead)
+    def outbox_session(self, on_dead: str, shares: int = 1) -> OutboxSession:
+        """A connection of its own for one outbox worker of a relay whose
+        workers split the keys in `shares` (see OutboxSession)."""
+        return OutboxSession(self.conninfo, self.session_options, on_dead, shares)
 
     # -- inbox -----------------------------------------------------------------
 

@@ -12,26 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Self
+from typing import Any, Self
 
 import orjson
 import pytest
 import sqlalchemy as sa
 
 import relay
+import relay.db.session
 from relay.brokers.memory import MemoryBroker
 from relay.config import BrokerURL, OutboxSettings
 from relay.db import NOTIFY_OUTBOX, Listener, OutboxSession, Store
+from relay.db.session import SHARE_LOCK_CLASS, share_key
 from relay.outbox import WORKERS, OutboxRelay
 from tests.conftest import AMQP_URL, insert_outbox, keys_by_share, rows
 
 
 class LoopRelay:
     """relay's outbox loop (and, if asked, its listener) in this process on a
-    memory broker. A 60 s poll by default: what it publishes, it publishes
-    because of a notification. `claims` records the share of every claim
-    it makes: (worker, WORKERS) for a worker's share of the keys, (0, 1)
-    for every key."""
+    memory broker (its own, or one it shares with other LoopRelays: three
+    relays on one broker). A 60 s poll by default: what it publishes, it
+    publishes because of a notification. `claims` records the share of every
+    claim it makes: (worker, WORKERS) for a worker's share of the keys,
+    (0, 1) for every key; `blocked` how many rows each claim left for
+    another relay (an earlier row of their key held there)."""
 
     def __init__(
         self,
@@ -40,19 +44,12 @@ class LoopRelay:
         *,
         listen: bool = True,
         on_unroutable: str = "publish",
+        broker: MemoryBroker | None = None,
         **settings: object,
     ) -> None:
         self.listen = listen
         self.claims: list[tuple[int, int]] = []
-        claim = OutboxSession.claim
-
-        async def recorded(
-            session: OutboxSession, limit: int, worker: int = 0, workers: int = 1
-        ) -> tuple[list[relay.rows.OutboxRow], int]:
-            self.claims.append((worker, workers))
-            return await claim(session, limit, worker, workers)
-
-        monkeypatch.setattr(OutboxSession, "claim", recorded)
+        self.blocked: list[int] = []
         settings.setdefault("poll_interval", 60)
         config = OutboxSettings(
             database_url=database,
@@ -61,13 +58,37 @@ class LoopRelay:
             on_unroutable=on_unroutable,
             **settings,
         )  # type: ignore[arg-type]
-        self.broker = MemoryBroker()
-        self.broker.bind("all", "#")
+        if broker is None:
+            broker = MemoryBroker()
+            broker.bind("all", "#")
+        self.broker = broker
         self.store = Store(database)
+        self._record_claims(monkeypatch)
         self.publisher = self.broker.publisher(on_unroutable=on_unroutable)
         self.relay = OutboxRelay(config, self.store, self.publisher)
         self.listener = Listener(self.store.conninfo, NOTIFY_OUTBOX, self.relay.wake)
         self.tasks: list[asyncio.Task[None]] = []
+
+    def _record_claims(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Every session of this relay's Store records its claims here."""
+        opened = self.store.outbox_session
+
+        def outbox_session(*args: Any, **kwargs: Any) -> OutboxSession:
+            session = opened(*args, **kwargs)
+            claim = session.claim
+
+            async def recorded(
+                limit: int, worker: int = 0, workers: int = 1, **kwargs: Any
+            ) -> tuple[list[relay.rows.OutboxRow], int]:
+                self.claims.append((worker, workers))
+                rows, blocked = await claim(limit, worker, workers, **kwargs)
+                self.blocked.append(blocked)
+                return rows, blocked
+
+            monkeypatch.setattr(session, "claim", recorded)
+            return session
+
+        monkeypatch.setattr(self.store, "outbox_session", outbox_session)
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self.relay.run())]
@@ -185,6 +206,133 @@ async def test_a_key_held_by_another_relay_goes_back_to_its_own_worker(
             other.commit()
         [message] = await quiet.received(1)
         assert message.message_id == str(second)
+
+
+async def test_three_relays_drain_one_table_in_key_order_without_claiming_blocked_rows(
+    engine, database, monkeypatch
+):
+    # Issue 21: worker i of every relay took the same keys, so two of three
+    # claims locked rows behind the third's, all `blocked`, and published
+    # nothing. One broker for the three: its queue holds the publishing order.
+    insert_outbox(engine, 6000, topic="three", keys=20)
+    broker = MemoryBroker()
+    broker.bind("all", "#")
+    relays = [
+        LoopRelay(database, monkeypatch, listen=False, broker=broker, batch_size=100)
+        for _ in range(3)
+    ]
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(loop.relay.run(once=True) for loop in relays)), timeout=120
+        )
+    finally:
+        for loop in relays:
+            await loop.__aexit__()
+    published = broker.take("all")
+    assert sorted(m.message_id for m in published) == sorted(
+        str(id_) for (id_,) in rows(engine, "SELECT id FROM outbox")
+    )  # every row, once
+    by_key: dict[str | None, list[int]] = {}
+    for message in published:
+        by_key.setdefault(message.key, []).append(orjson.loads(message.body)["i"])
+    assert len(by_key) == 20
+    assert all(numbers == sorted(numbers) for numbers in by_key.values())
+    assert rows(engine, "SELECT status, count(*) FROM outbox GROUP BY 1") == [("published", 6000)]
+    # Each relay did its part, and none claimed rows held back by another.
+    assert all(loop.claims for loop in relays)
+    assert [sum(1 for n in loop.blocked if n) for loop in relays] == [0, 0, 0]
+
+
+def hold_share(conn: sa.Connection, share: int) -> None:
+    """Take worker `share`'s lock as another relay's batch would, until the
+    connection's transaction ends."""
+    conn.execute(
+        sa.text("SELECT pg_advisory_xact_lock(:c, :k)"),
+        {"c": SHARE_LOCK_CLASS, "k": share_key(share, WORKERS)},
+    )
+
+
+def waiting_for_share(engine: sa.Engine, share: int) -> bool:
+    """Does a backend wait for share `share`'s lock?"""
+    return rows(
+        engine,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+        "AND classid = :c AND objid = :k AND objsubid = 2",
+        c=SHARE_LOCK_CLASS,
+        k=share_key(share, WORKERS),
+    ) == [(1,)]
+
+
+async def until(predicate: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_worker_waits_for_its_share_without_counting_and_stops_promptly(
+    engine, database, monkeypatch, caplog
+):
+    monkeypatch.setattr(relay.db.session, "SHARE_WAIT_MS", 300)
+    key = keys_of_every_share(engine)[1]
+    with engine.begin() as conn:
+        message_id = relay.enqueue(conn, "held", {}, key=key)
+    loop = LoopRelay(database, monkeypatch, listen=False)
+    with engine.connect() as other, caplog.at_level("DEBUG", logger="relay"):
+        hold_share(other, 1)
+        task = asyncio.create_task(loop.relay.run())
+        try:
+            await until(lambda: waiting_for_share(engine, 1))
+            # Past its lock_timeout three times: asked again each time,
+            # counting nothing, logging nothing above DEBUG.
+            await until(lambda: loop.claims.count((1, WORKERS)) >= 4)
+            assert rows(engine, "SELECT status, attempts FROM outbox") == [("pending", 0)]
+            assert not [r for r in caplog.records if r.levelname != "DEBUG"]
+            assert any("share busy" in r.getMessage() for r in caplog.records)
+            # Stopped while it waits: it returns within one wait.
+            monkeypatch.setattr(relay.db.session, "SHARE_WAIT_MS", 1000)
+            await until(lambda: waiting_for_share(engine, 1))
+            started = time.monotonic()
+            loop.relay.stop()
+            await asyncio.wait_for(task, timeout=5)
+            assert time.monotonic() - started < 2
+        finally:
+            task.cancel()
+            await loop.__aexit__()
+    assert rows(engine, "SELECT status, attempts FROM outbox") == [("pending", 0)]
+
+    # Released, the share's worker takes it at once.
+    async with LoopRelay(database, monkeypatch, listen=False) as loop:
+        [message] = await loop.received(1)
+    assert message.message_id == str(message_id)
+    assert rows(engine, "SELECT status, attempts FROM outbox") == [("published", 0)]
+
+
+async def test_a_scout_that_finds_a_share_held_elsewhere_hands_the_keys_back(
+    engine, database, monkeypatch
+):
+    keys = keys_of_every_share(engine)
+    async with LoopRelay(database, monkeypatch, listen=False) as quiet:
+        with engine.connect() as other:
+            hold_share(other, 2)  # another relay's batch of share 2
+            with engine.begin() as conn:
+                first = relay.enqueue(conn, "scout", {"n": 1}, key=keys[1])
+                held = relay.enqueue(conn, "scout", {"n": 2}, key=keys[2])
+            quiet.claims.clear()
+            quiet.relay.wake()  # the notification of the commit above
+            # The scout claimed nothing; share 1's worker published its row,
+            # share 2's waits for the lock.
+            [message] = await quiet.received(1)
+            assert message.message_id == str(first)
+            assert quiet.claims[0] == (0, 1)
+            assert (0, 1) not in quiet.claims[1:]
+            assert (1, WORKERS) in quiet.claims
+            await until(lambda: waiting_for_share(engine, 2))
+            other.rollback()
+        [message] = await quiet.received(1)
+        assert message.message_id == str(held)
+        await quiet.settled()
+    assert sum(quiet.blocked) == 0
 
 
 # --------------------------------------------------------------------------

@@ -17,6 +17,11 @@
 -- --on-dead policy (outbox_claim_dead_*); :limit is the batch size,
 -- :worker the worker and :workers how many there are.
 --
+-- A claim runs under its share's lock, taken by the statement before it
+-- (outbox_share_wait, outbox_shares_try); when the scout's try found a
+-- share held elsewhere (relay.shares_busy, set for this transaction), the
+-- claim takes nothing: a one-time filter, so not even `low` is read.
+--
 -- Every pending row has seq >= `low`, the lowest pending seq in the
 -- statement's snapshot: the main scan and the per-key probes start there.
 -- Without it, each probe walked its key's index entries from the first:
@@ -29,7 +34,8 @@ WITH low AS MATERIALIZED (
 ), locked AS (
     SELECT o.id, o.seq, o.topic, o.key, o.type, o.payload, o.headers, o.created_at, o.attempts
     FROM outbox o
-    WHERE o.status = 'pending' AND o.seq >= (SELECT seq FROM low)
+    WHERE current_setting('relay.shares_busy', true) IS DISTINCT FROM 'true'
+      AND o.status = 'pending' AND o.seq >= (SELECT seq FROM low)
       AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647)
           >= (CAST(:worker AS bigint) << 31) / :workers
       AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647)
@@ -55,6 +61,32 @@ SELECT l.id::text AS id, l.seq, l.topic, l.key, l.type, l.payload::text AS paylo
              AND e.id NOT IN (SELECT id FROM locked)) AS blocked
 FROM locked l
 ORDER BY l.seq
+
+-- name: outbox_share_wait
+-- A worker's share of the keys, for the rest of its transaction: one
+-- advisory lock per share across every relay (relay.db.session's
+-- SHARE_LOCK_CLASS and share_key), waited for in the queue behind the
+-- worker of any relay that holds it, but no longer than :timeout (ms): then
+-- lock_not_available, and the worker asks again (it may be stopping). The
+-- claim after it, in the same round trip, takes its snapshot once the lock
+-- is granted, so it sees the last holder's rows finished and none of its
+-- keys' rows held. lock_timeout goes back to the session's before the claim
+-- and the marks, which may wait behind DDL as they always did.
+SELECT set_config('lock_timeout', CAST(:timeout AS text), true);
+SELECT pg_advisory_xact_lock(:class, :share);
+SET LOCAL lock_timeout TO DEFAULT
+
+-- name: outbox_shares_try
+-- The scout's (a claim of every key): the lock of each of :shares, none
+-- waited for (the scout never waits, so it is never in a cycle of waits);
+-- shares_busy (relay.shares_busy, for the transaction) tells the claim that
+-- follows whether one of them is held elsewhere. The locks it did get
+-- are released when the transaction ends.
+SELECT set_config(
+    'relay.shares_busy',
+    CAST(NOT coalesce(bool_and(pg_try_advisory_xact_lock(:class, s)), true) AS text),
+    true) AS shares_busy
+FROM unnest(CAST(:shares AS int[])) AS s
 
 -- name: outbox_claim_dead_skip
 -- --on-dead skip: a dead row holds nothing back (an empty condition).
