@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aio_pika
 
@@ -37,9 +37,7 @@ from bench.common import (
     scalar,
     settle,
 )
-
-if TYPE_CHECKING:
-    from bench.run import Report, Sizes
+from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
 
 KEYS = 100
 REFERENCE = 20_000  # the inbox's reference run (issue 24)
@@ -147,9 +145,8 @@ async def run_outbox(
     res: Resources, url: str, exchange: str, count: int
 ) -> list[tuple[float, int]]:
     """`relay outbox --once` until every pending row is published; its batches."""
-    from bench.run import _daemon_args
 
-    proc = res.relay("outbox", "outbox", "--once", *_daemon_args(url, exchange))
+    proc = res.relay("outbox", "outbox", "--once", *daemon_args(url, exchange))
     await proc.wait_log("outbox relay started", timeout=120)
     code = await proc.wait_exit(timeout=max(300.0, count / 300))
     if code != 0:
@@ -161,13 +158,12 @@ async def run_inbox(
     res: Resources, url: str, exchange: str, queue: str, count: int, already: int = 0
 ) -> list[tuple[float, int]]:
     """`relay inbox` until `count` rows are processed; its batches."""
-    from bench.run import _daemon_args, wait_metric
 
     port = free_port()
     proc = res.relay(
         "inbox",
         "inbox",
-        *_daemon_args(url, exchange),
+        *daemon_args(url, exchange),
         "--queue",
         queue,
         "--handlers",
@@ -221,13 +217,12 @@ def _report_fifths(
 
 async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
     """Each daemon over a backlog of N messages (100 keys, no VACUUM)."""
-    from bench.run import _create_effects
 
     count = sz.backlog
     # relay inbox: 20,000 messages (the reference), then N.
     for label, n in (("inbox_reference", min(sz.backlog_reference, count)), ("inbox", count)):
         url = await res.database(f"backlog_{label}")
-        await _create_effects(url)
+        await create_effects(url)
         exchange, queue = res.names(f"backlog_{label}")
         await res.bind_queue(exchange, queue)
         await fill_queue(res, exchange, queue, n)
@@ -290,7 +285,6 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
 
 async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
     """Each daemon over M messages, the table empty vs holding 1M finished rows."""
-    from bench.run import _create_effects
 
     measured, finished = sz.retention_measured, sz.retention_rows
     for table in ("outbox", "inbox"):
@@ -305,7 +299,7 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
                 calm = await settle(url, quiet_for=sz.quiet_for)
                 points = await run_outbox(res, url, exchange, measured)
             else:
-                await _create_effects(url)
+                await create_effects(url)
                 if rows:
                     await preload_inbox_rows(url, queue, rows, age_hours=24 * 6)
                 await fill_queue(res, exchange, queue, measured)

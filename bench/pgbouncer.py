@@ -29,7 +29,8 @@ from bench.common import (
     percentile,
     relay_env,
 )
-from bench.run import Report, _outbox_once, produce
+from bench.harness import Report
+from bench.run import _outbox_once, produce
 from tests.pgbouncer import PgBouncer
 
 SETUPS = ("direct", "session", "transaction+listen-url", "transaction")

@@ -36,7 +36,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aio_pika
 import orjson
@@ -57,9 +57,8 @@ from bench.common import (
     scalar,
     steady_rate,
 )
-
-if TYPE_CHECKING:
-    from bench.run import Report, Sizes
+from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
+from bench.where import cpu_seconds, pids_named
 
 NODE_DIR = REPO / "bench" / ".node"
 AMQPLIB = "amqplib@2.3.1"
@@ -144,7 +143,6 @@ async def _expect_depth(res: Resources, queue: str, count: int, who: str) -> Non
 
 async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
     """The drain and the inbox beside the wire-format limit of Node's amqplib."""
-    from bench.run import _create_effects
 
     why = await asyncio.to_thread(ensure_amqplib)
     if why:
@@ -163,7 +161,7 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
     loads = []
     for n in range(sz.wire_rounds):
         url = await res.database(f"wire{n}")
-        await _create_effects(url)
+        await create_effects(url)
         exchange, queue = res.names(f"wire{n}")
         await res.bind_queue(exchange, queue)
         await preload_outbox(url, count)  # 100 keys, topic bench.backlog
@@ -224,7 +222,6 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
 
 def beam_cpu() -> float:
     """RabbitMQ's CPU seconds so far (every beam.smp process on the machine)."""
-    from bench.where import cpu_seconds, pids_named
 
     return sum(cpu_seconds(p) for p in pids_named("beam.smp"))
 
@@ -373,7 +370,6 @@ def _depth(client: Any, queue_url: str) -> int:
 
 async def scenario_sqs_ref(res: Resources, sz: Sizes, report: Report) -> None:
     """relay's SQS outbox and inbox beside plain boto3 loops, one moto server."""
-    from bench.run import _create_effects, wait_metric
     from relay.brokers import sqs
     from relay.outbox import WORKERS
 
@@ -411,7 +407,7 @@ async def scenario_sqs_ref(res: Resources, sz: Sizes, report: Report) -> None:
 
     name, relay_url = queues["relay"]
     url = await res.database("sqsref")
-    await _create_effects(url)
+    await create_effects(url)
     async with await connect(url, autocommit=True) as conn:
         await conn.execute(
             "INSERT INTO outbox (topic, key, type, payload) "
@@ -526,12 +522,11 @@ OFFERED = 2000
 async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) -> None:
     """Commit to receipt through a running `relay outbox` at 2,000 msgs/s offered
     by PRODUCERS processes."""
-    from bench.run import _daemon_args
 
     url = await res.database()
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
-    relay = res.relay("outbox", "outbox", *_daemon_args(url, exchange))
+    relay = res.relay("outbox", "outbox", *daemon_args(url, exchange))
     await relay.wait_log("outbox relay started", timeout=60)
     await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
     consumer, receipts_file = await res.consumer("consumer", queue)
@@ -675,7 +670,6 @@ async def read_back(queue: str, count: int, timeout: float) -> tuple[int, int, i
 
 async def scenario_multi(res: Resources, sz: Sizes, report: Report) -> None:
     """`relay outbox --once`: three processes on one table vs one, 100 keys."""
-    from bench.run import _daemon_args
 
     count = sz.multi
     loads = [loadavg()[0]]
@@ -688,7 +682,7 @@ async def scenario_multi(res: Resources, sz: Sizes, report: Report) -> None:
         xacts = f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{name}'"
         before = await scalar(url, xacts)
         started = [
-            res.relay(f"outbox{procs}_{n}", "outbox", "--once", *_daemon_args(url, exchange))
+            res.relay(f"outbox{procs}_{n}", "outbox", "--once", *daemon_args(url, exchange))
             for n in range(procs)
         ]
         for proc in started:

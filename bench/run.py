@@ -66,7 +66,16 @@ from bench.common import (
     scalar,
     steady_rate,
 )
-from bench.handlers import EFFECTS_DDL
+from bench.harness import (
+    FULL,
+    QUICK,
+    Report,
+    Sizes,
+    create_effects,
+    daemon_args,
+    metrics,
+    wait_metric,
+)
 from bench.naive import run_naive
 from bench.pgserver import own_postgres
 from bench.reference import (
@@ -79,115 +88,6 @@ from bench.reference import (
 from relay.outbox import WORKERS
 
 RESULTS = REPO / "bench" / "results"
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    limit_pg: int
-    limit_amqp: int
-    naive: int
-    naive_seconds: float
-    drain: int
-    latency_seconds: float
-    inbox: int
-    sqs: int
-    memory: int
-    scale_measured: int
-    scale_pending: tuple[int, int]
-    backlog: int = 1_000_000
-    backlog_reference: int = 20_000
-    retention_rows: int = 1_000_000
-    retention_measured: int = 30_000
-    latency_rates: tuple[int, ...] = (100, 500, 2000)
-    wire: int = 150_000
-    wire_rounds: int = 2
-    sqs_ref: int = 1_000  # moto's ReceiveMessage is quadratic in the queue's depth
-    multi: int = 50_000
-    # Seconds of a quiet machine that backlog and retention wait for before
-    # each daemon starts (bench.common.settle); 0: no wait.
-    quiet_for: int = 5
-
-    def scaled(self, factor: float) -> Sizes:
-        if factor == 1:
-            return self
-        counts = {
-            f.name: max(100, int(getattr(self, f.name) * factor))
-            for f in dataclasses.fields(self)
-            if f.name
-            not in (
-                "naive_seconds",
-                "latency_seconds",
-                "scale_pending",
-                "latency_rates",
-                "wire_rounds",
-                "quiet_for",
-            )
-        }
-        small, large = self.scale_pending
-        return dataclasses.replace(
-            self, **counts, scale_pending=(small, max(small, int(large * factor)))
-        )
-
-
-FULL = Sizes(
-    limit_pg=100_000,
-    limit_amqp=100_000,
-    naive=100_000,
-    naive_seconds=20.0,
-    drain=100_000,
-    latency_seconds=10.0,
-    inbox=100_000,
-    sqs=1_000,
-    memory=1_000_000,
-    scale_measured=50_000,
-    scale_pending=(1_000, 1_000_000),
-)
-QUICK = Sizes(
-    limit_pg=20_000,
-    limit_amqp=5_000,
-    naive=3_000,
-    naive_seconds=3.0,
-    drain=5_000,
-    latency_seconds=2.0,
-    inbox=5_000,
-    sqs=300,
-    memory=3_000,
-    scale_measured=5_000,
-    scale_pending=(1_000, 10_000),
-    backlog=5_000,
-    backlog_reference=2_000,
-    retention_rows=10_000,
-    retention_measured=2_000,
-    wire=5_000,
-    wire_rounds=1,
-    sqs_ref=100,
-    multi=5_000,
-    quiet_for=0,
-)
-
-
-# --------------------------------------------------------------------------
-# Results
-# --------------------------------------------------------------------------
-
-
-class Report:
-    def __init__(self) -> None:
-        self.figures: list[dict[str, Any]] = []
-        self.scenarios: dict[str, dict[str, Any]] = {}
-
-    def add(self, scenario: str, name: str, value: float | None, unit: str, **extra: Any) -> None:
-        if isinstance(value, float):
-            value = round(value, 3)
-        self.figures.append(
-            {"scenario": scenario, "figure": name, "value": value, "unit": unit, **extra}
-        )
-
-    def get(self, scenario: str, name: str) -> float | None:
-        for f in self.figures:
-            if f["scenario"] == scenario and f["figure"] == name:
-                return f["value"]
-        return None
 
 
 def _rss_figures(
@@ -213,64 +113,6 @@ def _rss_figures(
             if f"rss_{pct}pct_mb" in summary:
                 report.add(scenario, f"{who}_rss_at_{pct}pct", summary[f"rss_{pct}pct_mb"], "MB")
     return summary
-
-
-async def metrics(port: int) -> dict[str, float]:
-    """The samples of a daemon's /metrics."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        await writer.drain()
-        data = await reader.read()
-    finally:
-        writer.close()
-    samples: dict[str, float] = {}
-    body = data.split(b"\r\n\r\n", 1)[-1].decode()
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                samples[name] = float(value)
-    return samples
-
-
-async def wait_metric(
-    proc: Proc,
-    port: int,
-    name: str,
-    target: float,
-    timeout: float,
-    interval: float = 0.1,
-    fail_on: str | None = None,
-) -> float:
-    """Poll /metrics until `name` reaches `target`; the monotonic time it did."""
-    deadline = time.monotonic() + timeout
-    last = 0.0
-    while True:
-        if proc.popen.poll() is not None:
-            raise BenchError(f"{proc.name} exited {proc.popen.returncode}:\n{proc.tail()}")
-        with contextlib.suppress(OSError):
-            samples = await metrics(port)
-            last = samples.get(name, 0.0)
-            if fail_on and samples.get(fail_on, 0.0) > 0:
-                raise BenchError(f"{proc.name}: {fail_on} = {samples[fail_on]:.0f}:\n{proc.tail()}")
-            if last >= target:
-                return time.monotonic()
-        if time.monotonic() > deadline:
-            raise BenchError(
-                f"{proc.name}: {name} at {last:.0f} of {target:.0f} after "
-                f"{timeout:.0f}s:\n{proc.tail()}"
-            )
-        await asyncio.sleep(interval)
-
-
-def _daemon_args(url: str, exchange: str, broker: str = AMQP_URL) -> list[str]:
-    return ["--database-url", url, "--broker-url", broker, "--exchange", exchange]
-
-
-async def _create_effects(url: str) -> None:
-    async with await connect(url, autocommit=True) as conn:
-        await conn.execute(EFFECTS_DDL)
 
 
 async def _expect(url: str, sql: str, expected: int, what: str) -> None:
@@ -368,7 +210,7 @@ async def scenario_drain(res: Resources, sz: Sizes, report: Report) -> None:
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
     await insert_backlog(url, sz.drain, topic="bench.drain")
-    await _outbox_once(res, report, "drain", url, sz.drain, _daemon_args(url, exchange))
+    await _outbox_once(res, report, "drain", url, sz.drain, daemon_args(url, exchange))
     depth = await res.queue_depth(queue)
     if depth != sz.drain:
         raise BenchError(f"queue holds {depth} of {sz.drain} messages")
@@ -420,7 +262,7 @@ async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
     url = await res.database()
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
-    relay = res.relay("outbox", "outbox", *_daemon_args(url, exchange))
+    relay = res.relay("outbox", "outbox", *daemon_args(url, exchange))
     await relay.wait_log("outbox relay started", timeout=60)
     await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
     warmup = min(0.5, sz.latency_seconds / 4)
@@ -521,7 +363,7 @@ async def _inbox_until(
 async def scenario_inbox(res: Resources, sz: Sizes, report: Report) -> None:
     """`relay inbox` over a queue holding N messages, a handler inserting one row each."""
     url = await res.database()
-    await _create_effects(url)
+    await create_effects(url)
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
     await limits.publish_window(AMQP_URL, exchange, "bench.inbox", sz.inbox)
@@ -529,7 +371,7 @@ async def scenario_inbox(res: Resources, sz: Sizes, report: Report) -> None:
     if depth != sz.inbox:
         raise BenchError(f"queue holds {depth} of {sz.inbox} messages before the run")
     await _inbox_until(
-        res, report, "inbox", url, sz.inbox, [*_daemon_args(url, exchange), "--queue", queue]
+        res, report, "inbox", url, sz.inbox, [*daemon_args(url, exchange), "--queue", queue]
     )
     depth = await res.queue_depth(queue)
     if depth:
@@ -574,7 +416,7 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
     queue = f"bench-sqs-{uuid.uuid4().hex[:8]}"
     queue_url = (await asyncio.to_thread(client.create_queue, QueueName=queue))["QueueUrl"]
     url = await res.database()
-    await _create_effects(url)
+    await create_effects(url)
     await insert_backlog(url, sz.sqs, topic=queue)
     broker = f"sqs://?region=us-east-1&endpoint_url={endpoint}"
     env = relay_env(**aws)
@@ -612,7 +454,7 @@ async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
     """Both daemons over N messages: outbox → RabbitMQ → inbox; RSS of each."""
     count = sz.memory
     url = await res.database()
-    await _create_effects(url)
+    await create_effects(url)
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
     await insert_backlog(url, count, topic="bench.memory")
@@ -620,7 +462,7 @@ async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
     inbox = res.relay(
         "inbox",
         "inbox",
-        *_daemon_args(url, exchange),
+        *daemon_args(url, exchange),
         "--queue",
         queue,
         "--handlers",
@@ -630,7 +472,7 @@ async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
     )
     await inbox.wait_log("inbox started", timeout=60)
     outbox = res.relay(
-        "outbox", "outbox", *_daemon_args(url, exchange), "--http-port", str(out_port)
+        "outbox", "outbox", *daemon_args(url, exchange), "--http-port", str(out_port)
     )
     start = await outbox.wait_log("outbox relay started", timeout=60)
     interval = 1.0 if count >= 100_000 else 0.1
@@ -688,7 +530,7 @@ async def scenario_scale(res: Resources, sz: Sizes, report: Report) -> None:
         await insert_backlog(url, measured + pending, topic="bench.scale")
         port = free_port()
         proc = res.relay(
-            f"outbox{pending}", "outbox", *_daemon_args(url, exchange), "--http-port", str(port)
+            f"outbox{pending}", "outbox", *daemon_args(url, exchange), "--http-port", str(port)
         )
         await proc.wait_log("outbox relay started", timeout=60)
         await wait_metric(

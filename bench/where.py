@@ -43,6 +43,7 @@ from bench.common import (
     relay_command,
     steady_rate,
 )
+from bench.harness import create_effects, daemon_args, metrics, wait_metric
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -184,7 +185,6 @@ def hottest(raw: Path, top: int = 25) -> list[str]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    from bench.run import _create_effects, _daemon_args, metrics, wait_metric
     from relay.outbox import WORKERS
 
     res = Resources(f"where_{args.daemon}")
@@ -197,14 +197,14 @@ async def main(args: argparse.Namespace) -> None:
         if args.daemon == "outbox":
             await preload_outbox(url, count)
             port = free_port()
-            daemon_args = ["outbox", *_daemon_args(url, exchange), "--http-port", str(port)]
+            argv_tail = ["outbox", *daemon_args(url, exchange), "--http-port", str(port)]
         else:
-            await _create_effects(url)
+            await create_effects(url)
             await fill_queue(res, exchange, queue, count)
             port = free_port()
-            daemon_args = [
+            argv_tail = [
                 "inbox",
-                *_daemon_args(url, exchange),
+                *daemon_args(url, exchange),
                 "--queue",
                 queue,
                 "--handlers",
@@ -212,7 +212,7 @@ async def main(args: argparse.Namespace) -> None:
                 "--http-port",
                 str(port),
             ]
-        argv = [*relay_command(), *daemon_args]
+        argv = [*relay_command(), *argv_tail]
         if args.py_spy:
             out = Path(args.py_spy) / f"{args.daemon}.raw"
             out.parent.mkdir(parents=True, exist_ok=True)

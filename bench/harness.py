@@ -1,0 +1,181 @@
+"""What every scenario of the benchmark shares: the sizes of a run, the
+report the figures go into, reading a daemon's /metrics, and the arguments
+and tables the daemons are started with.
+
+The scenario modules (bench.run, bench.backlog, bench.reference,
+bench.where, bench.pgbouncer) import these from here, and bench.run imports
+the scenarios: the imports run one way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+from bench.common import AMQP_URL, BenchError, Proc, connect
+from bench.handlers import EFFECTS_DDL
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    limit_pg: int
+    limit_amqp: int
+    naive: int
+    naive_seconds: float
+    drain: int
+    latency_seconds: float
+    inbox: int
+    sqs: int
+    memory: int
+    scale_measured: int
+    scale_pending: tuple[int, int]
+    backlog: int = 1_000_000
+    backlog_reference: int = 20_000
+    retention_rows: int = 1_000_000
+    retention_measured: int = 30_000
+    latency_rates: tuple[int, ...] = (100, 500, 2000)
+    wire: int = 150_000
+    wire_rounds: int = 2
+    sqs_ref: int = 1_000  # moto's ReceiveMessage is quadratic in the queue's depth
+    multi: int = 50_000
+    # Seconds of a quiet machine that backlog and retention wait for before
+    # each daemon starts (bench.common.settle); 0: no wait.
+    quiet_for: int = 5
+
+    def scaled(self, factor: float) -> Sizes:
+        if factor == 1:
+            return self
+        counts = {
+            f.name: max(100, int(getattr(self, f.name) * factor))
+            for f in dataclasses.fields(self)
+            if f.name
+            not in (
+                "naive_seconds",
+                "latency_seconds",
+                "scale_pending",
+                "latency_rates",
+                "wire_rounds",
+                "quiet_for",
+            )
+        }
+        small, large = self.scale_pending
+        return dataclasses.replace(
+            self, **counts, scale_pending=(small, max(small, int(large * factor)))
+        )
+
+
+FULL = Sizes(
+    limit_pg=100_000,
+    limit_amqp=100_000,
+    naive=100_000,
+    naive_seconds=20.0,
+    drain=100_000,
+    latency_seconds=10.0,
+    inbox=100_000,
+    sqs=1_000,
+    memory=1_000_000,
+    scale_measured=50_000,
+    scale_pending=(1_000, 1_000_000),
+)
+QUICK = Sizes(
+    limit_pg=20_000,
+    limit_amqp=5_000,
+    naive=3_000,
+    naive_seconds=3.0,
+    drain=5_000,
+    latency_seconds=2.0,
+    inbox=5_000,
+    sqs=300,
+    memory=3_000,
+    scale_measured=5_000,
+    scale_pending=(1_000, 10_000),
+    backlog=5_000,
+    backlog_reference=2_000,
+    retention_rows=10_000,
+    retention_measured=2_000,
+    wire=5_000,
+    wire_rounds=1,
+    sqs_ref=100,
+    multi=5_000,
+    quiet_for=0,
+)
+
+
+class Report:
+    def __init__(self) -> None:
+        self.figures: list[dict[str, Any]] = []
+        self.scenarios: dict[str, dict[str, Any]] = {}
+
+    def add(self, scenario: str, name: str, value: float | None, unit: str, **extra: Any) -> None:
+        if isinstance(value, float):
+            value = round(value, 3)
+        self.figures.append(
+            {"scenario": scenario, "figure": name, "value": value, "unit": unit, **extra}
+        )
+
+    def get(self, scenario: str, name: str) -> float | None:
+        for f in self.figures:
+            if f["scenario"] == scenario and f["figure"] == name:
+                return f["value"]
+        return None
+
+
+async def metrics(port: int) -> dict[str, float]:
+    """The samples of a daemon's /metrics."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        await writer.drain()
+        data = await reader.read()
+    finally:
+        writer.close()
+    samples: dict[str, float] = {}
+    body = data.split(b"\r\n\r\n", 1)[-1].decode()
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                samples[name] = float(value)
+    return samples
+
+
+async def wait_metric(
+    proc: Proc,
+    port: int,
+    name: str,
+    target: float,
+    timeout: float,
+    interval: float = 0.1,
+    fail_on: str | None = None,
+) -> float:
+    """Poll /metrics until `name` reaches `target`; the monotonic time it did."""
+    deadline = time.monotonic() + timeout
+    last = 0.0
+    while True:
+        if proc.popen.poll() is not None:
+            raise BenchError(f"{proc.name} exited {proc.popen.returncode}:\n{proc.tail()}")
+        with contextlib.suppress(OSError):
+            samples = await metrics(port)
+            last = samples.get(name, 0.0)
+            if fail_on and samples.get(fail_on, 0.0) > 0:
+                raise BenchError(f"{proc.name}: {fail_on} = {samples[fail_on]:.0f}:\n{proc.tail()}")
+            if last >= target:
+                return time.monotonic()
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"{proc.name}: {name} at {last:.0f} of {target:.0f} after "
+                f"{timeout:.0f}s:\n{proc.tail()}"
+            )
+        await asyncio.sleep(interval)
+
+
+def daemon_args(url: str, exchange: str, broker: str = AMQP_URL) -> list[str]:
+    return ["--database-url", url, "--broker-url", broker, "--exchange", exchange]
+
+
+async def create_effects(url: str) -> None:
+    async with await connect(url, autocommit=True) as conn:
+        await conn.execute(EFFECTS_DDL)
