@@ -35,7 +35,7 @@ from pathlib import Path
 
 from relay import logs
 from relay.backoff import until_available
-from relay.brokers import make_consumer
+from relay.brokers import Consumer, make_consumer
 from relay.config import InboxSettings
 from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
@@ -50,19 +50,25 @@ ALIVE_INTERVAL = 1.0
 
 
 class LocalReceiver:
-    """A Receiver on the running event loop, with its consumer and writer."""
+    """A Receiver on the running event loop, with its consumer (the one for
+    the settings' broker URL unless one is given: the tests' memory broker
+    has no URL) and writer."""
 
-    def __init__(self, settings: InboxSettings, pace: Gate, report: Report) -> None:
-        assert settings.broker is not None
-        self.consumer = make_consumer(
-            settings.broker,
-            queue=settings.queue,
-            exchange=settings.exchange,
-            binds=settings.binds,
-            prefetch=settings.prefetch,
-            queue_type=settings.queue_type,
-            queue_args=settings.queue_args,
-        )
+    def __init__(
+        self, settings: InboxSettings, pace: Gate, report: Report, consumer: Consumer | None = None
+    ) -> None:
+        if consumer is None:
+            assert settings.broker is not None
+            consumer = make_consumer(
+                settings.broker,
+                queue=settings.queue,
+                exchange=settings.exchange,
+                binds=settings.binds,
+                prefetch=settings.prefetch,
+                queue_type=settings.queue_type,
+                queue_args=settings.queue_args,
+            )
+        self.consumer = consumer
         self.writer = InboxWriter(settings.database_url)
         self.receiver = Receiver(settings, self.writer, self.consumer, pace, report)
         self.stopping = self.receiver.stopping

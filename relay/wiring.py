@@ -16,7 +16,7 @@ import time
 
 from relay import tracing
 from relay.backoff import reconnect_backoff, until_available
-from relay.brokers import make_publisher
+from relay.brokers import Consumer, make_publisher
 from relay.config import InboxSettings, OutboxSettings
 from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
 from relay.errors import Unavailable
@@ -119,14 +119,22 @@ async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
 
 
 def inbox_service(
-    settings: InboxSettings, registry: HandlerRegistry, *, receiver_process: bool = False
+    settings: InboxSettings,
+    registry: HandlerRegistry,
+    *,
+    receiver_process: bool = False,
+    consumer: Consumer | None = None,
 ) -> Service:
     """The inbox's parts for a lifecycle Daemon: receiver and dispatchers, the
     listener, the scheduled jobs, probes and metrics (not running yet).
 
     With `receiver_process` the receiver runs in a child process of its own
-    (relay.receiver_process.ReceiverProcess); else on the daemon's event loop."""
-    assert settings.broker is not None
+    (relay.receiver_process.ReceiverProcess); else on the daemon's event loop,
+    receiving from `consumer` if one is given (a consumer built here, such as
+    the tests' memory broker's, cannot go to another process), else from the
+    one for the settings' broker URL."""
+    assert consumer is None or not receiver_process, "a consumer cannot go to another process"
+    assert consumer is not None or settings.broker is not None
     tracing.setup("relay-inbox")
     types = registry.types
     # Log lines a handler emits carry the message's id, type and traceparent.
@@ -151,7 +159,11 @@ def inbox_service(
             pace.stored(new)
             wake_dispatcher()
 
-    receiver = (ReceiverProcess if receiver_process else LocalReceiver)(settings, pace, stored)
+    receiver = (
+        ReceiverProcess(settings, pace, stored)
+        if receiver_process
+        else LocalReceiver(settings, pace, stored, consumer)
+    )
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(registry.get(t)) for t in types)

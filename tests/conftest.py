@@ -115,6 +115,14 @@ def empty_database() -> Iterator[str]:
 
 
 @pytest.fixture
+def loop_urls(database: str) -> dict[str, str]:
+    """The database settings (database_url, listen_url) of a loop run in the
+    test's process (tests/inbox/test_loop.py): the test's database;
+    tests/db/test_pgbouncer.py puts PgBouncer in between."""
+    return {"database_url": database}
+
+
+@pytest.fixture
 def engine(database: str) -> Iterator[sa.Engine]:
     eng = sa.create_engine(database)
     yield eng
@@ -397,6 +405,20 @@ def effects(engine: sa.Engine) -> sa.Engine:
 
     rows(engine, EFFECTS_DDL)
     return engine
+
+
+def effect_ids(engine: sa.Engine) -> list[str]:
+    """The message ids the handlers wrote to `effects`, in the order written."""
+    return [r[0] for r in rows(engine, "SELECT message_id FROM effects ORDER BY id")]
+
+
+def inbox_rows(engine: sa.Engine) -> list[sa.Row[Any]]:
+    """Every inbox row, in arrival order: (message_id, status, attempts,
+    last_error, type, key, topic)."""
+    return rows(
+        engine,
+        "SELECT message_id, status, attempts, last_error, type, key, topic FROM inbox ORDER BY seq",
+    )
 
 
 @pytest.fixture

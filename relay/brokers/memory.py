@@ -37,7 +37,8 @@ No `memory://` URL: `make_publisher` and `make_consumer` build adapters for
 brokers another process can reach, and a broker in memory is only shared
 inside one process, so a daemon started with it would talk to itself. Tests
 build a `MemoryBroker` and hand its publisher or consumer to the loops
-(`OutboxRelay`, `Receiver`) directly.
+(`OutboxRelay`, `Receiver`, or the whole inbox: `wiring.inbox_service`)
+directly.
 """
 
 from __future__ import annotations

@@ -189,6 +189,11 @@ class AmqpPort:
         all_headers: dict[str, Any] = dict(headers or {})
         if key is not None:
             all_headers["x-relay-key"] = key
+        if message_id is None:  # no property at all (aiormq would make one up)
+            await self.rabbit.publish_without_message_id(
+                "in.x", body, message_type=type, headers=all_headers
+            )
+            return
         await self.rabbit.publish(
             "in.x", body, message_id=message_id, type=type, headers=all_headers
         )

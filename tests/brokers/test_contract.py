@@ -227,16 +227,19 @@ async def test_a_received_message_carries_id_type_key_headers_and_the_type_fallb
         headers={"traceparent": "00-aa-bb-01"},
     )
     await port.send(queue, b'{"n": 6}', message_id="m-2")  # no type, no key
+    await port.send(queue, b'{"n": 7}', type="Effect")  # no id: the inbox hashes the body
     consumer = port.consumer(queue)
     try:
-        got = {m.message_id: m for m in await collect(consumer, 2)}
+        got = {m.message_id: m for m in await collect(consumer, 3)}
         await consumer.ack(list(got.values()))
     finally:
         await consumer.close()
-    first, second = got["m-1"], got["m-2"]
+    first, second, third = got["m-1"], got["m-2"], got[None]
     assert (first.body, first.type, first.key) == (b'{"n": 5}', "Effect", "order-5")
     assert first.headers.get("traceparent") == "00-aa-bb-01"
     assert (second.type, second.key) == (port.fallback_type(queue), None)
+    # Never an id of the broker's own (a delivery's, the SQS MessageId).
+    assert (third.body, third.type) == (b'{"n": 7}', "Effect")
 
 
 async def test_what_is_not_acknowledged_is_delivered_again_and_what_is_is_not(port: Port):

@@ -3,9 +3,10 @@ transaction mode.
 
 The tests imported below are the outbox, inbox and fault tests of their own
 modules, run again with every `relay` process's --database-url through
-PgBouncer (the `relay_env` fixture of this module): in transaction mode
-with a direct --listen-url, as README recommends; in session mode without,
-since LISTEN works through a session pooler. The tests' own checks read the
+PgBouncer (the `relay_env` fixture of this module), and the inbox's loop
+in this process likewise (`loop_urls`): in transaction mode with a direct
+--listen-url, as README recommends; in session mode without, since LISTEN
+works through a session pooler. The tests' own checks read the
 database directly. The tests written here cover what only a pooler shows.
 """
 
@@ -39,13 +40,15 @@ from tests.inbox.test_hostile import (  # noqa: F401
     test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart,
 )
 from tests.inbox.test_inbox import (  # noqa: F401
-    test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes,
-    test_async_handler_gets_an_async_connection,
-    test_fail_then_succeed_retries_with_backoff,
     test_message_is_stored_handled_and_marked_processed,
     test_outbox_to_inbox_end_to_end_carries_id_key_and_traceparent,
     test_per_key_dispatch_order_with_three_inboxes,
     test_status_and_retry_commands,
+)
+from tests.inbox.test_loop import (  # noqa: F401
+    test_a_failing_handler_mid_batch_rolls_back_only_its_own_writes,
+    test_fail_then_succeed_retries_with_backoff,
+    test_sync_and_async_handlers_each_get_their_kind_of_connection,
 )
 from tests.outbox.test_outbox import (  # noqa: F401
     test_dead_row_policy_skip_lets_the_key_go_on_and_block_holds_it,
@@ -95,6 +98,16 @@ def relay_env(
     # Every daemon the test started went through PgBouncer, and knew it.
     for log in tmp_path.glob("relay*.log"):
         assert POOLER_NOTICE in log.read_text(errors="replace"), log.name
+
+
+@pytest.fixture
+def loop_urls(database: str, pooled: str, pgbouncer: PgBouncer) -> dict[str, str]:
+    """The inbox's loop run in this process (tests/inbox/test_loop.py)
+    through PgBouncer, as relay_env puts the daemons."""
+    urls = {"database_url": pooled}
+    if pgbouncer.pool_mode == "transaction":
+        urls["listen_url"] = database
+    return urls
 
 
 # -- what only a pooler shows ----------------------------------------------------
