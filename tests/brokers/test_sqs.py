@@ -30,11 +30,7 @@ from relay.brokers.sqs import (
 from relay.config import BrokerURL
 from relay.outbox import WORKERS
 from relay.rows import OutboxRow
-from tests.conftest import HANDLERS, rows, wait_until
-
-
-def effect_ids(engine) -> list[str]:
-    return [r[0] for r in rows(engine, "SELECT message_id FROM effects ORDER BY id")]
+from tests.conftest import HANDLERS, effect_ids, rows, wait_until
 
 
 async def test_oversized_message_is_dead_with_a_clear_error(engine, sqs, run_relay):

@@ -25,7 +25,7 @@ import pytest
 
 import relay
 from relay.outbox import WORKERS
-from tests.conftest import AMQP_URL, HANDLERS, Rabbit, insert_outbox, rows, wait_until
+from tests.conftest import AMQP_URL, HANDLERS, Rabbit, effect_ids, insert_outbox, rows, wait_until
 from tests.sqs_server import Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 
 
@@ -335,10 +335,6 @@ def inbox(broker, start_relay):
 
 def published_count(engine) -> int:
     return rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'")[0][0]
-
-
-def effect_ids(engine) -> list[str]:
-    return [r[0] for r in rows(engine, "SELECT message_id FROM effects ORDER BY id")]
 
 
 async def wait_drained(broker, queue: str, timeout: float = 15) -> None:

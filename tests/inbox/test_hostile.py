@@ -22,7 +22,15 @@ import psycopg
 import sqlalchemy as sa
 
 import relay
-from tests.conftest import MIXED_HANDLERS, REPO, free_port, insert_outbox, rows, wait_until
+from tests.conftest import (
+    MIXED_HANDLERS,
+    REPO,
+    effect_ids,
+    free_port,
+    insert_outbox,
+    rows,
+    wait_until,
+)
 
 
 def status_of(engine, message_id):
@@ -30,10 +38,6 @@ def status_of(engine, message_id):
         engine, "SELECT status, attempts, last_error FROM inbox WHERE message_id = :m", m=message_id
     )
     return found[0] if found else None
-
-
-def effect_ids(engine):
-    return [r[0] for r in rows(engine, "SELECT message_id FROM effects ORDER BY id")]
 
 
 async def queue_depth(rabbit, name: str) -> int:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-import sqlalchemy as sa
 
 import relay
 from relay.inbox import DISPATCHERS
@@ -84,9 +83,15 @@ async def test_same_message_three_times_to_three_inboxes_gives_one_row_and_one_e
     assert len(rows(effects, "SELECT 1 FROM inbox")) == 20
     # Every copy was acknowledged: the queue is empty.
     probe = await rabbit.connection.channel()
-    declared = await probe.declare_queue(daemons[0].queue, passive=True)
-    wait_until(lambda: True)
-    assert declared.declaration_result.message_count == 0
+
+    async def depth() -> int:
+        declared = await probe.declare_queue(daemons[0].queue, passive=True)
+        return declared.declaration_result.message_count
+
+    deadline = time.monotonic() + 10
+    while await depth() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert await depth() == 0
 
 
 async def test_receiver_stores_at_most_two_batches_per_dispatcher_ahead_of_slow_handlers(
@@ -339,7 +344,6 @@ def test_relay_message_is_importable_and_registry_rejects_bad_types():
         relay.Message(id=str(uuid.uuid4()), type="T", topic=None, key=None, payload={}).attempts
         == 0
     )
-    assert isinstance(sa.text("SELECT 1"), sa.TextClause)
 
 
 async def test_consumes_a_queue_declared_with_arguments_of_its_own(effects, rabbit, start_relay):

@@ -21,12 +21,8 @@ import sqlalchemy as sa
 
 import relay
 from tests import amqp_raw
-from tests.conftest import rows, wait_until
+from tests.conftest import effect_ids, rows, wait_until
 from tests.sqs_server import sqs, sqs_server  # noqa: F401 - fixtures
-
-
-def effect_ids(engine):
-    return [r[0] for r in rows(engine, "SELECT message_id FROM effects ORDER BY id")]
 
 
 async def raw_channel(rabbit):
