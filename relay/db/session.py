@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
@@ -80,6 +81,13 @@ def _written(sql: str, values: Sequence[int | Sequence[int]]) -> str:
     return re.sub(r"\$(\d+)", value, sql)
 
 
+@functools.cache
+def _share_wait(key: int) -> str:
+    """The wait for share lock `key`, written out once per share: a
+    worker sends the same one with every batch."""
+    return _written(_SHARE_WAIT, [SHARE_WAIT_MS, SHARE_LOCK_CLASS, key])
+
+
 def _lost(exc: BaseException) -> bool:
     # A statement gone from the session (a pooler between us and the
     # server, say) is mended the same way as a lost connection: a new one.
@@ -140,8 +148,7 @@ class OutboxSession:
                 tried = [share_key(s, self.shares) for s in range(self.shares) if s not in held]
                 lock = _written(_SHARES_TRY, [SHARE_LOCK_CLASS, tried])
             else:
-                key = share_key(worker, workers)
-                lock = _written(_SHARE_WAIT, [SHARE_WAIT_MS, SHARE_LOCK_CLASS, key])
+                lock = _share_wait(share_key(worker, workers))
             if self.pooled:
                 claim = f"{_POOLED_SESSION}; {lock}; {_written(self._claim_sql, args)}"
             else:
