@@ -390,6 +390,24 @@ def wait_until(
         time.sleep(interval)
 
 
+async def until(
+    predicate: Callable[[], Any],
+    timeout: float = 15.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> Any:
+    """wait_until on the test's event loop: the code under test runs between
+    the checks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} not reached in {timeout}s (last: {value!r})")
+        await asyncio.sleep(interval)
+
+
 # --------------------------------------------------------------------------
 # The inbox with the test handlers (tests/apps/handlers.py)
 # --------------------------------------------------------------------------

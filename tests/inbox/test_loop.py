@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-import time
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -34,7 +33,7 @@ from relay.metrics import InboxMetrics
 from relay.wiring import inbox_service
 from tests.apps.handlers import mixed_registry
 from tests.apps.handlers import registry as sync_registry
-from tests.conftest import effect_ids, inbox_rows, keys_by_share, rows
+from tests.conftest import effect_ids, inbox_rows, keys_by_share, rows, until
 
 QUEUE = "in"  # the memory broker's queue, bound to every topic; the consumer's name too
 
@@ -70,12 +69,12 @@ class LoopInbox:
 
     async def until(self, predicate: Callable[[], Any], timeout: float = 15) -> Any:
         """Wait for `predicate` (run on this loop, between the inbox's turns)."""
-        deadline = time.monotonic() + timeout
-        while not (value := predicate()):
+
+        def alive_and(check: Callable[[], Any]) -> Any:
             assert self.running is not None and not self.running.done(), "the inbox stopped"
-            assert time.monotonic() < deadline, f"not reached in {timeout}s (last: {value!r})"
-            await asyncio.sleep(0.02)
-        return value
+            return check()
+
+        return await until(lambda: alive_and(predicate), timeout)
 
     async def __aenter__(self) -> Self:
         self.running = asyncio.create_task(self.daemon.run())

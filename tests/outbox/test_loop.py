@@ -25,7 +25,7 @@ from relay.config import BrokerURL, OutboxSettings
 from relay.db import NOTIFY_OUTBOX, Listener, OutboxSession, Store
 from relay.db.session import SHARE_LOCK_CLASS, share_key
 from relay.outbox import WORKERS, OutboxRelay
-from tests.conftest import AMQP_URL, insert_outbox, keys_by_share, rows
+from tests.conftest import AMQP_URL, insert_outbox, keys_by_share, rows, until
 
 
 class LoopRelay:
@@ -263,13 +263,6 @@ def waiting_for_share(engine: sa.Engine, share: int) -> bool:
     ) == [(1,)]
 
 
-async def until(predicate: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "not reached"
-        await asyncio.sleep(0.02)
-
-
 async def test_a_worker_waits_for_its_share_without_counting_and_stops_promptly(
     engine, database, monkeypatch, caplog
 ):
@@ -282,16 +275,16 @@ async def test_a_worker_waits_for_its_share_without_counting_and_stops_promptly(
         hold_share(other, 1)
         task = asyncio.create_task(loop.relay.run())
         try:
-            await until(lambda: waiting_for_share(engine, 1))
+            await until(lambda: waiting_for_share(engine, 1), timeout=10)
             # Past its lock_timeout three times: asked again each time,
             # counting nothing, logging nothing above DEBUG.
-            await until(lambda: loop.claims.count((1, WORKERS)) >= 4)
+            await until(lambda: loop.claims.count((1, WORKERS)) >= 4, timeout=10)
             assert rows(engine, "SELECT status, attempts FROM outbox") == [("pending", 0)]
             assert not [r for r in caplog.records if r.levelname != "DEBUG"]
             assert any("share busy" in r.getMessage() for r in caplog.records)
             # Stopped while it waits: it returns within one wait.
             monkeypatch.setattr(relay.db.session, "SHARE_WAIT_MS", 1000)
-            await until(lambda: waiting_for_share(engine, 1))
+            await until(lambda: waiting_for_share(engine, 1), timeout=10)
             started = time.monotonic()
             loop.relay.stop()
             await asyncio.wait_for(task, timeout=5)
@@ -327,7 +320,7 @@ async def test_a_scout_that_finds_a_share_held_elsewhere_hands_the_keys_back(
             assert quiet.claims[0] == (0, 1)
             assert (0, 1) not in quiet.claims[1:]
             assert (1, WORKERS) in quiet.claims
-            await until(lambda: waiting_for_share(engine, 2))
+            await until(lambda: waiting_for_share(engine, 2), timeout=10)
             other.rollback()
         [message] = await quiet.received(1)
         assert message.message_id == str(held)
