@@ -59,6 +59,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that ask for more than the default time-out go first: run
+    in parallel (pytest-xdist, pyproject.toml), each starts on a worker of
+    its own at once, rather than one of them last while the others idle."""
+
+    def timeout(item: pytest.Item) -> float:
+        marker = item.get_closest_marker("timeout")
+        return float(marker.args[0]) if marker is not None and marker.args else 0.0
+
+    items.sort(key=timeout, reverse=True)  # stable: the rest keep their order
+
+
 # --------------------------------------------------------------------------
 # PostgreSQL: one template per run, one clone per test
 # --------------------------------------------------------------------------

@@ -134,6 +134,11 @@ class OwnNode:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+# The tests on the node of our own run on one worker under pytest-xdist, so
+# that the node starts once (a module's fixture is made once per worker).
+OWN_NODE_TESTS = pytest.mark.xdist_group("own_rabbitmq_node")
+
+
 @pytest.fixture(scope="module")
 def own_node() -> Iterator[OwnNode]:
     if shutil.which("rabbitmq-server") is None or os.geteuid() != 0:
@@ -444,6 +449,7 @@ async def test_losing_a_node_moves_both_daemons_to_the_next_losing_nothing_count
 # --------------------------------------------------------------------------
 
 
+@OWN_NODE_TESTS
 async def test_a_memory_alarm_pauses_publishing_uncounted_says_why_and_resumes(
     engine, own_node, start_relay
 ):
@@ -479,6 +485,7 @@ async def test_a_memory_alarm_pauses_publishing_uncounted_says_why_and_resumes(
     assert "relay_outbox_failed_total 0.0" in metrics(port)
 
 
+@OWN_NODE_TESTS
 async def test_the_alternate_exchange_recipe_keeps_unroutable_messages(
     engine, own_node, start_relay
 ):

@@ -7,9 +7,9 @@ random pace while one fault strikes at a random moment; what died is
 restarted; then every message must have been handled exactly once, in
 per-key order, with at most one batch per fault duplicated on the wire.
 
-    .venv/bin/pytest tests/test_faults.py -s              # short run (CI)
+    .venv/bin/pytest tests/e2e/test_faults.py -n 0 -s          # short run (CI)
     RELAY_FAULT_ROUNDS=100 RELAY_FAULT_REFUSE_SECONDS=30 \\
-        .venv/bin/pytest tests/test_faults.py -s -k rounds  # the long one
+        .venv/bin/pytest tests/e2e/test_faults.py -n 0 -s -k rounds  # the long one
 
 RELAY_FAULT_SEED replays a run (the seed is printed); RELAY_FAULT_MESSAGES
 sets N per round.

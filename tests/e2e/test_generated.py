@@ -7,7 +7,7 @@ is exactly one row (processed or published, or dead with a reason), and at
 the end nothing is left in the queue and the daemon exits 0 on SIGTERM.
 
     .venv/bin/pytest -q tests/e2e/test_generated.py                 # CI: a short, fixed profile
-    RELAY_GENERATED_EXAMPLES=2000 .venv/bin/pytest -q tests/e2e/test_generated.py -p no:randomly \\
+    RELAY_GENERATED_EXAMPLES=2000 .venv/bin/pytest -q tests/e2e/test_generated.py -n 0 -s \\
         --timeout 3600                                          # the long one, random
 
 The short profile is derandomized (the same examples on every run, so CI
