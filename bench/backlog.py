@@ -11,6 +11,13 @@
   retention window, vacuumed, as autovacuum leaves a table in its steady
   state), side by side.
 
+Their queues are lazy (`x-queue-mode: lazy`, LAZY): on RabbitMQ before
+3.12 a default classic queue keeps every message in its process's memory,
+and a million of them cost the broker's CPU per message enough to set the
+rate of both daemons on this machine's two cores; from 3.12 classic queues
+work that way without the argument (docs/backlog.md, *The broker's deep
+queue*).
+
 Rates come from the batches' own timestamps (`published_at`,
 `processed_at`: the start of each batch's transaction), as in bench.run.
 """
@@ -68,6 +75,9 @@ def fifths(points: Sequence[tuple[float, int]]) -> tuple[float | None, float | N
 
 
 MEASURED_TOPIC = "bench.backlog"
+# The queues' arguments in these scenarios (see above); relay inbox declares
+# its queue with the same (--queue-arg), as an operator would.
+LAZY: dict[str, Any] = {"x-queue-mode": "lazy"}
 RETAINED_TOPIC = "bench.retained"
 
 
@@ -155,11 +165,18 @@ async def run_outbox(
 
 
 async def run_inbox(
-    res: Resources, url: str, exchange: str, queue: str, count: int, already: int = 0
+    res: Resources,
+    url: str,
+    exchange: str,
+    queue: str,
+    count: int,
+    already: int = 0,
+    queue_args: dict[str, Any] | None = None,
 ) -> list[tuple[float, int]]:
     """`relay inbox` until `count` rows are processed; its batches."""
 
     port = free_port()
+    declared = [f"--queue-arg={name}={value}" for name, value in (queue_args or {}).items()]
     proc = res.relay(
         "inbox",
         "inbox",
@@ -170,6 +187,7 @@ async def run_inbox(
         "bench.handlers",
         "--http-port",
         str(port),
+        *declared,
     )
     await proc.wait_log("inbox started", timeout=120)
     await wait_metric(
@@ -224,10 +242,10 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
         url = await res.database(f"backlog_{label}")
         await create_effects(url)
         exchange, queue = res.names(f"backlog_{label}")
-        await res.bind_queue(exchange, queue)
+        await res.bind_queue(exchange, queue, arguments=LAZY)
         await fill_queue(res, exchange, queue, n)
         calm = await settle(url, quiet_for=sz.quiet_for)
-        points = await run_inbox(res, url, exchange, queue, n)
+        points = await run_inbox(res, url, exchange, queue, n, queue_args=LAZY)
         if label == "inbox":
             _report_fifths(report, "backlog", "inbox", points, n, **calm)
             # The receiver's storing rate per fifth: tells a slower handling
@@ -265,7 +283,7 @@ async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:
     # rate from its first fifth to its last; alone, it ran flat).
     url = await res.database("backlog_out")
     exchange, queue = res.names("backlog_out")
-    await res.bind_queue(exchange, queue)
+    await res.bind_queue(exchange, queue, arguments=LAZY)
     await preload_outbox(url, count)
     calm = await settle(url, quiet_for=sz.quiet_for)
     started = time.monotonic()
@@ -291,7 +309,7 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
         for label, rows in (("empty", 0), ("full", finished)):
             url = await res.database(f"ret_{table}_{label}")
             exchange, queue = res.names(f"ret_{table}_{label}")
-            await res.bind_queue(exchange, queue)
+            await res.bind_queue(exchange, queue, arguments=LAZY)
             if table == "outbox":
                 if rows:
                     await preload_outbox(url, rows, status="published", age_hours=20)
@@ -304,7 +322,7 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
                     await preload_inbox_rows(url, queue, rows, age_hours=24 * 6)
                 await fill_queue(res, exchange, queue, measured)
                 calm = await settle(url, quiet_for=sz.quiet_for)
-                points = await run_inbox(res, url, exchange, queue, measured)
+                points = await run_inbox(res, url, exchange, queue, measured, queue_args=LAZY)
             report.add(
                 "retention",
                 f"{table}_{label}",

@@ -477,12 +477,19 @@ class Resources:
         self.queues.append(queue)
         return exchange, queue
 
-    async def bind_queue(self, exchange: str, queue: str, pattern: str = "#") -> None:
-        """Declare the durable topic exchange and a durable queue bound to it."""
+    async def bind_queue(
+        self,
+        exchange: str,
+        queue: str,
+        pattern: str = "#",
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
+        """Declare the durable topic exchange and a durable queue (with these
+        arguments) bound to it."""
         channel = await (await self.amqp()).channel()
         try:
             ex = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
-            q = await channel.declare_queue(queue, durable=True)
+            q = await channel.declare_queue(queue, durable=True, arguments=arguments)
             await q.bind(ex, pattern)
         finally:
             await channel.close()
