@@ -15,8 +15,8 @@ Their queues are lazy (`x-queue-mode: lazy`, LAZY): on RabbitMQ before
 3.12 a default classic queue keeps every message in its process's memory,
 and a million of them cost the broker's CPU per message enough to set the
 rate of both daemons on this machine's two cores; from 3.12 classic queues
-work that way without the argument (docs/backlog.md, *The broker's deep
-queue*).
+work that way without the argument (docs/backlog.md, *Fourth round: the
+broker's deep queue*).
 
 Rates come from the batches' own timestamps (`published_at`,
 `processed_at`: the start of each batch's transaction), as in bench.run.
