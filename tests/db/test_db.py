@@ -85,7 +85,7 @@ def test_sqlalchemy_reads_the_same_parameters():
         text = sql.query(name)
         if "{" in text:  # a template (relay.db.dead, the claims' {dead} slot)
             continue
-        assert sorted(sa.text(text)._bindparams) == sorted(sql.parameters(text)), name
+        assert sorted(sa.text(text).compile().params) == sorted(sql.parameters(text)), name
 
 
 def test_claims_fill_the_on_dead_slot():
