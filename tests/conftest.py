@@ -386,20 +386,29 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def _deadline(timeout: float, message: str) -> Callable[[Any], None]:
+    """The time-out of a polling loop (wait_until, until): a check that fails
+    the test, with the predicate's last value, once `timeout` has passed."""
+    deadline = time.monotonic() + timeout
+
+    def check(value: Any) -> None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} not reached in {timeout}s (last: {value!r})")
+
+    return check
+
+
 def wait_until(
     predicate: Callable[[], Any],
     timeout: float = 15.0,
     interval: float = 0.05,
     message: str = "condition",
 ) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{message} not reached in {timeout}s (last: {value!r})")
+    check = _deadline(timeout, message)
+    while not (value := predicate()):
+        check(value)
         time.sleep(interval)
+    return value
 
 
 async def until(
@@ -410,14 +419,11 @@ async def until(
 ) -> Any:
     """wait_until on the test's event loop: the code under test runs between
     the checks."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{message} not reached in {timeout}s (last: {value!r})")
+    check = _deadline(timeout, message)
+    while not (value := predicate()):
+        check(value)
         await asyncio.sleep(interval)
+    return value
 
 
 # --------------------------------------------------------------------------
