@@ -1,5 +1,6 @@
-"""Scheduled jobs of both daemons (APScheduler): retention and backlog gauges
-(pending rows, and the table's dead row versions and last vacuum).
+"""Scheduled jobs of both daemons (APScheduler): retention, backlog gauges
+(pending rows, and the table's dead row versions and last vacuum) and the
+vacuum of a churning table (Vacuums).
 
 Retention deletes published outbox rows (processed inbox rows) older than
 --retention, 1000 rows per transaction so that no delete holds its locks
@@ -12,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from relay.db import Store, delete_expired, pending_gauge, table_health
+from relay.db import Store, delete_expired, pending_gauge, table_health, vacuum
 from relay.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -44,16 +46,88 @@ def _job(fn: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
     return run
 
 
+# The churn vacuum (Vacuums): after this many dead row versions, at most
+# once per VACUUM_INTERVAL seconds since the table's last vacuum, relay's or
+# autovacuum's (docs/backlog.md, "Fifth round").
+VACUUM_AFTER_DEAD = 100_000
+VACUUM_INTERVAL = 10.0
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+class Vacuums:
+    """relay's own VACUUM of its table while a backlog churns through it.
+
+    Every message leaves a dead row version and a dead entry in the pending
+    index, and each claim finds the lowest pending row by stepping over the
+    dead entries left of it, a walk that lengthens by every message until a
+    vacuum: over a million-message backlog, from 500 index pages to 3,500
+    per claim. autovacuum would clear them, but it looks at a database once
+    a minute (autovacuum_naptime, server-wide), while a queue table passes
+    any threshold in seconds. So the gauges job, which reads the table's
+    dead versions every GAUGE_INTERVAL anyway, vacuums the table itself once
+    they pass VACUUM_AFTER_DEAD, at most every VACUUM_INTERVAL seconds.
+    SKIP_LOCKED: a table autovacuum or another replica is vacuuming is left
+    to them. A user that may not vacuum the table (not its owner) is told
+    once, and relay stops trying; autovacuum still does the work."""
+
+    def __init__(self, store: Store, table: str, metrics: Any) -> None:
+        self.store = store
+        self.table = table
+        self.metrics = metrics
+        self.last = 0.0  # Unix time of relay's last vacuum of the table
+        self.allowed = True
+
+    def due(self, dead: int, vacuumed: float, now: float) -> bool:
+        """Whether to vacuum, given the table's dead row versions and its last
+        vacuum (Unix time, 0: never) as the statistics count them."""
+        return (
+            self.allowed
+            and dead >= VACUUM_AFTER_DEAD
+            and now - max(vacuumed, self.last) >= VACUUM_INTERVAL
+        )
+
+    async def after_gauges(self, dead: int, vacuumed: float) -> None:
+        now = time.time()
+        if not self.due(dead, vacuumed, now):
+            return
+        self.last = now
+        try:
+            warnings = await vacuum(self.store, self.table)
+        except Unavailable as exc:
+            log.warning("vacuum skipped: %s", exc, extra={"action": "vacuum_skipped"})
+            return
+        refused = [message for state, message in warnings if state != _LOCK_NOT_AVAILABLE]
+        if refused:
+            self.allowed = False
+            log.warning(
+                "relay may not vacuum %s (%s); autovacuum alone clears its dead rows "
+                "(docs/backlog.md)",
+                self.table,
+                "; ".join(m or "" for m in refused),
+                extra={"action": "vacuum_refused", "table": self.table},
+            )
+        elif warnings:
+            log.debug("vacuum of %s skipped: another vacuum holds it", self.table)
+        else:
+            self.metrics.vacuums.labels(table=self.table).inc()
+            log.debug(
+                "vacuumed %s (%d dead row versions, %.1fs)",
+                self.table,
+                dead,
+                time.time() - now,
+            )
+
+
 def retention_interval(retention: float) -> float:
     """How often to look for expired rows: often enough to stay near the
     retention, never more than once a minute or less than once an hour."""
     return min(max(retention / 10, 60.0), 3600.0)
 
 
-async def run_scheduler(
-    store: Store, table: str, retention: float, metrics: Any, stop: asyncio.Event
-) -> None:
-    """Run the jobs until `stop` is set (or the task is cancelled)."""
+def _retention_job(
+    store: Store, table: str, retention: float, metrics: Any
+) -> Callable[[], Awaitable[None]]:
+    """Delete the finished rows past the retention (one replica at a time)."""
 
     @_job
     async def expire() -> None:
@@ -75,6 +149,17 @@ async def run_scheduler(
                 extra={"action": "retention", "table": table, "deleted": deleted},
             )
 
+    return expire
+
+
+async def run_scheduler(
+    store: Store, table: str, retention: float | None, metrics: Any, stop: asyncio.Event
+) -> None:
+    """Run the jobs until `stop` is set (or the task is cancelled); without
+    retention (None: `relay outbox --once`), the gauges and vacuums only."""
+
+    vacuums = Vacuums(store, table, metrics)
+
     @_job
     async def gauges() -> None:
         try:
@@ -89,16 +174,18 @@ async def run_scheduler(
             return
         metrics.dead_tuples.labels(table=table).set(dead)
         metrics.last_vacuum.labels(table=table).set(vacuumed)
+        await vacuums.after_gauges(dead, vacuumed)
 
     scheduler = AsyncIOScheduler(job_defaults={"coalesce": True, "max_instances": 1})
     now = datetime.now().astimezone()
-    scheduler.add_job(
-        expire,
-        "interval",
-        seconds=retention_interval(retention),
-        id="retention",
-        next_run_time=now + timedelta(seconds=RETENTION_FIRST_RUN),
-    )
+    if retention is not None:
+        scheduler.add_job(
+            _retention_job(store, table, retention, metrics),
+            "interval",
+            seconds=retention_interval(retention),
+            id="retention",
+            next_run_time=now + timedelta(seconds=RETENTION_FIRST_RUN),
+        )
     scheduler.add_job(gauges, "interval", seconds=GAUGE_INTERVAL, id="gauges", next_run_time=now)
     scheduler.start()
     try:

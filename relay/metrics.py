@@ -24,6 +24,7 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_inbox_handler_seconds | histogram | one handler run |
 | relay_table_dead_tuples{table} | gauge | the table's dead row versions (n_dead_tup) |
 | relay_table_last_vacuum_timestamp_seconds{table} | gauge | its last (auto)vacuum, Unix time |
+| relay_table_vacuums_total{table} | counter | VACUUMs relay itself ran of the table (churn) |
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class _ClockedHistogram(Histogram):
         super().observe(amount, exemplar)
 
 
-def _table_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
-    """The daemon's table as autovacuum sees it (docs/backlog.md)."""
+def _table_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge, Counter]:
+    """The daemon's table as autovacuum sees it, and relay's own vacuums of
+    it (relay.maintenance.Vacuums; docs/backlog.md)."""
     return (
         Gauge(
             "relay_table_dead_tuples",
@@ -62,6 +64,12 @@ def _table_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge]:
         Gauge(
             "relay_table_last_vacuum_timestamp_seconds",
             "Unix time of the table's last vacuum or autovacuum (0: never)",
+            ["table"],
+            registry=r,
+        ),
+        Counter(
+            "relay_table_vacuums",
+            "VACUUMs relay ran of its table under churn (autovacuum's not counted)",
             ["table"],
             registry=r,
         ),
@@ -100,7 +108,7 @@ class OutboxMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.dead_tuples, self.last_vacuum = _table_gauges(r)
+        self.dead_tuples, self.last_vacuum, self.vacuums = _table_gauges(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -139,7 +147,7 @@ class InboxMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.dead_tuples, self.last_vacuum = _table_gauges(r)
+        self.dead_tuples, self.last_vacuum, self.vacuums = _table_gauges(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -78,15 +78,16 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         await store.ping()
         return publisher.connected or await broker_answers()
 
-    background = {}
+    # --once drains what is due and exits: no listener and no retention,
+    # but the gauges and the churn vacuum, which a catch-up needs most.
+    background = {
+        "scheduler": lambda stop: run_scheduler(
+            store, "outbox", None if once else settings.retention, relay.metrics, stop
+        ),
+    }
     if not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
-        background = {
-            "listener": lambda stop: listener.run(),
-            "scheduler": lambda stop: run_scheduler(
-                store, "outbox", settings.retention, relay.metrics, stop
-            ),
-        }
+        background["listener"] = lambda stop: listener.run()
     return Service(
         name="outbox",
         main=main,

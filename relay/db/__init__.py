@@ -14,7 +14,7 @@ package, never SQLAlchemy or psycopg itself.
 | `store` | `Store`: the pooled SQLAlchemy engines, the inbox claim and marks, commands |
 | `session` | `OutboxSession`: an outbox worker's prepared claim and mark |
 | `listener` | `Listener`: LISTEN with its self-check |
-| `jobs` | retention and gauges |
+| `jobs` | retention, gauges and the churn vacuum |
 | `schema` | SQLAlchemy tables mirroring schema/*.sql, applying them |
 
 Names load on first use (PEP 562), so that `relay.db.writer`, in the
@@ -37,7 +37,13 @@ if TYPE_CHECKING:
         describe,
         translate_errors,
     )
-    from relay.db.jobs import RETENTION_LOCK, delete_expired, pending_gauge, table_health
+    from relay.db.jobs import (
+        RETENTION_LOCK,
+        delete_expired,
+        pending_gauge,
+        table_health,
+        vacuum,
+    )
     from relay.db.listener import Listener
     from relay.db.session import OutboxSession
     from relay.db.store import NOTIFY_INBOX, NOTIFY_OUTBOX, Store, named, retry_in
@@ -62,6 +68,7 @@ _LAZY = {
     "pending_gauge": "relay.db.jobs",
     "retry_in": "relay.db.store",
     "table_health": "relay.db.jobs",
+    "vacuum": "relay.db.jobs",
     "named": "relay.db.store",
     "translate_errors": "relay.db.errors",
 }
@@ -87,6 +94,7 @@ __all__ = [
     "retry_in",
     "table_health",
     "translate_errors",
+    "vacuum",
 ]
 
 

@@ -1,6 +1,9 @@
-"""The SQL of the daemons' scheduled jobs (relay.maintenance): retention and gauges."""
+"""The SQL of the daemons' scheduled jobs (relay.maintenance): retention,
+gauges and the vacuum of a churning table."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from relay.db.store import Store, named
 
@@ -40,3 +43,26 @@ async def table_health(store: Store, table: str) -> tuple[int, float]:
     if row is None:
         return 0, 0.0
     return int(row[0]), float(row[1])
+
+
+async def vacuum(store: Store, table: str) -> list[tuple[str | None, str | None]]:
+    """VACUUM (SKIP_LOCKED) the table, outside a transaction; returns the
+    WARNINGs PostgreSQL answered with, as (SQLSTATE, message): 55P03 when
+    another vacuum held the table (skipped), others when this user may not
+    vacuum it. An empty list: it ran."""
+    warnings: list[tuple[str | None, str | None]] = []
+
+    def notice(diag: Any) -> None:
+        if diag.severity_nonlocalized == "WARNING":
+            warnings.append((diag.sqlstate, diag.message_primary))
+
+    async with store.connection() as pooled:
+        conn = await pooled.execution_options(isolation_level="AUTOCOMMIT")
+        driver = (await conn.get_raw_connection()).driver_connection
+        assert driver is not None, "a checked-out connection has its driver's"
+        driver.add_notice_handler(notice)
+        try:
+            await conn.execute(named(f"vacuum_{table}"))
+        finally:
+            driver.remove_notice_handler(notice)
+    return warnings

@@ -1,17 +1,24 @@
-"""A long backlog (issue 24): the tables' storage settings and index, and the
-gauges that show operators their dead row versions and last vacuum, against
-the real PostgreSQL and RabbitMQ."""
+"""A long backlog (issue 24): the tables' storage settings and index, the
+gauges that show operators their dead row versions and last vacuum, and
+relay's own vacuum of a churning table, against the real PostgreSQL and
+RabbitMQ."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import orjson
+import psycopg
+import pytest
 import sqlalchemy as sa
 
-from relay.db import Store
+from relay.db import Store, vacuum
+from relay.maintenance import VACUUM_AFTER_DEAD, VACUUM_INTERVAL, Vacuums
+from relay.metrics import OutboxMetrics
 from tests.conftest import free_port, insert_outbox, rows, wait_until
 from tests.ops.test_operations import metric_is, scrape
 
@@ -182,3 +189,166 @@ def test_inbox_marks_are_planned_for_the_table_as_it_is(database):
     # any case, and only then may keep a generic plan.
     assert generic == 0
     assert custom > 5
+
+
+# --------------------------------------------------------------------------
+# relay's own vacuum of a churning table (relay.maintenance.Vacuums)
+# --------------------------------------------------------------------------
+
+
+def _churn(engine: sa.Engine, table: str, count: int) -> None:
+    """`count` finished rows, each updated once more: `count` dead row
+    versions, with autovacuum off for the table so that only relay (or the
+    test) vacuums it. Returns once the statistics count them."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"ALTER TABLE {table} SET (autovacuum_enabled = false)"))
+        if table == "outbox":
+            conn.execute(
+                sa.text(
+                    "INSERT INTO outbox (topic, key, type, payload, status, published_at) "
+                    "SELECT 'churn', 'k' || (i % 10), 'T', '{}', 'published', now() "
+                    "FROM generate_series(1, :n) AS i"
+                ),
+                {"n": count},
+            )
+        else:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO inbox (consumer, message_id, payload, status, processed_at) "
+                    "SELECT 'churn', 'm-' || i, '{}', 'processed', now() "
+                    "FROM generate_series(1, :n) AS i"
+                ),
+                {"n": count},
+            )
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {table} SET attempts = attempts + 1"))
+    wait_until(
+        lambda: _dead(engine, table) >= count,
+        timeout=30,
+        message=f"{table}'s dead versions in pg_stat_user_tables",
+    )
+
+
+def _as(database: str, role: str) -> str:
+    """The test database's URL for another user (trust authentication)."""
+    return sa.make_url(database).set(username=role).render_as_string(hide_password=False)
+
+
+def _table_stat(engine: sa.Engine, table: str, column: str) -> int:
+    """One counter of the table's row in pg_stat_user_tables."""
+    [(value,)] = rows(
+        engine,
+        f"SELECT {column} FROM pg_stat_user_tables WHERE relid = CAST(:t AS regclass)",
+        t=table,
+    )
+    return int(value)
+
+
+def _dead(engine: sa.Engine, table: str) -> int:
+    return _table_stat(engine, table, "n_dead_tup")
+
+
+def _vacuumed(engine: sa.Engine, table: str) -> int:
+    return _table_stat(engine, table, "vacuum_count")
+
+
+def test_vacuum_is_due_past_the_dead_rows_and_the_interval():
+    """Pure policy: enough dead versions, and no vacuum (relay's or
+    autovacuum's) within VACUUM_INTERVAL."""
+    vacuums = Vacuums(None, "outbox", None)  # type: ignore[arg-type]
+    now = 1_000_000.0
+    assert vacuums.due(VACUUM_AFTER_DEAD, 0.0, now)
+    assert not vacuums.due(VACUUM_AFTER_DEAD - 1, 0.0, now)
+    assert not vacuums.due(VACUUM_AFTER_DEAD, now - VACUUM_INTERVAL + 1, now)
+    assert vacuums.due(VACUUM_AFTER_DEAD, now - VACUUM_INTERVAL, now)
+    vacuums.last = now - 1  # relay's own, which the statistics may not show yet
+    assert not vacuums.due(10 * VACUUM_AFTER_DEAD, 0.0, now)
+    vacuums.last, vacuums.allowed = 0.0, False
+    assert not vacuums.due(10 * VACUUM_AFTER_DEAD, 0.0, now)
+
+
+@pytest.mark.parametrize("table", ["outbox", "inbox"])
+async def test_vacuum_clears_dead_versions_skips_a_held_table_and_tells_a_refusal(
+    database, engine, table
+):
+    """vacuum() runs outside a transaction and clears the dead versions; a
+    table another vacuum holds is skipped at once (55P03), not waited for;
+    a user who does not own the table gets PostgreSQL's refusal back."""
+    store = Store(database)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"ALTER TABLE {table} SET (autovacuum_enabled = false)"))
+        # Another vacuum (here: its lock) holds the table: skipped, at once.
+        holder = psycopg.connect(database.replace("+psycopg", ""))
+        try:
+            holder.execute(f"LOCK TABLE {table} IN SHARE UPDATE EXCLUSIVE MODE")
+            began = time.monotonic()
+            warnings = await vacuum(store, table)
+            assert time.monotonic() - began < 5
+            assert [state for state, _ in warnings] == ["55P03"]
+        finally:
+            holder.close()
+        _churn(engine, table, 2000)
+        before = _vacuumed(engine, table)
+        assert await vacuum(store, table) == []
+        wait_until(lambda: _vacuumed(engine, table) == before + 1, timeout=30)
+        assert _dead(engine, table) < 2000
+        # A user who may not vacuum the table: PostgreSQL's warning, no error.
+        role = f"relay_nv_{uuid.uuid4().hex[:8]}"
+        with engine.begin() as conn:
+            conn.execute(sa.text(f'CREATE ROLE "{role}" LOGIN'))
+        other = Store(_as(database, role))
+        try:
+            warnings = await vacuum(other, table)
+            assert len(warnings) == 1 and warnings[0][0] != "55P03"
+        finally:
+            await other.close()
+            with engine.begin() as conn:
+                conn.execute(sa.text(f'DROP ROLE "{role}"'))
+    finally:
+        await store.close()
+
+
+async def test_vacuums_stop_for_a_user_that_may_not_vacuum(database, engine, caplog):
+    """Refused once, relay says so and stops trying; autovacuum does the work."""
+    role = f"relay_nv_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'CREATE ROLE "{role}" LOGIN'))
+    store = Store(_as(database, role))
+    metrics = OutboxMetrics()
+    vacuums = Vacuums(store, "outbox", metrics)
+    try:
+        with caplog.at_level(logging.WARNING, logger="relay.maintenance"):
+            await vacuums.after_gauges(VACUUM_AFTER_DEAD, 0.0)
+        assert not vacuums.allowed
+        assert "may not vacuum outbox" in caplog.text
+        assert metrics.vacuums.labels(table="outbox")._value.get() == 0
+    finally:
+        await store.close()
+        with engine.begin() as conn:
+            conn.execute(sa.text(f'DROP ROLE "{role}"'))
+
+
+async def test_outbox_vacuums_its_churned_table_itself(engine, rabbit, start_relay):
+    """Past VACUUM_AFTER_DEAD dead versions the daemon vacuums its table
+    itself (autovacuum is off for it here), counts it in /metrics, and does
+    not vacuum again while the table stays clean."""
+    _churn(engine, "outbox", VACUUM_AFTER_DEAD + 5_000)
+    before = _vacuumed(engine, "outbox")
+    port = free_port()
+    daemon = start_relay("outbox", "--exchange", rabbit.exchange, "--http-port", str(port))
+    wait_until(
+        metric_is(port, 'relay_table_vacuums_total{table="outbox"}', 1.0),
+        timeout=60,
+        message="relay's own vacuum of outbox",
+    )
+    assert _vacuumed(engine, "outbox") == before + 1
+    wait_until(lambda: _dead(engine, "outbox") < VACUUM_AFTER_DEAD, timeout=30)
+    wait_until(
+        _reaches(port, "relay_table_last_vacuum_timestamp_seconds", "outbox", lambda v: v > 0),
+        timeout=30,
+    )
+    # Two more gauge rounds (every 5 s) with the table clean: no second vacuum.
+    time.sleep(11)
+    assert scrape(port)['relay_table_vacuums_total{table="outbox"}'] == 1.0
+    daemon.stop()

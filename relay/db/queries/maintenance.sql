@@ -30,3 +30,13 @@ FROM inbox WHERE status = 'pending'
 SELECT n_dead_tup,
 coalesce(extract(epoch FROM greatest(last_vacuum, last_autovacuum)), 0)::float8
 FROM pg_stat_user_tables WHERE relid = to_regclass(:table)
+
+-- name: vacuum_outbox
+-- relay's own vacuum of its table under churn (relay.maintenance.Vacuums):
+-- outside a transaction; SKIP_LOCKED, so that it never waits behind
+-- autovacuum or another replica's vacuum of the same table (a WARNING with
+-- SQLSTATE 55P03 says it skipped).
+VACUUM (SKIP_LOCKED) outbox
+
+-- name: vacuum_inbox
+VACUUM (SKIP_LOCKED) inbox
