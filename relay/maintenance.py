@@ -49,7 +49,7 @@ def _job(fn: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
 # The churn vacuum (Vacuums): after this many dead row versions, at most
 # once per VACUUM_INTERVAL seconds since the table's last vacuum, relay's or
 # autovacuum's (docs/backlog.md, "Fifth round").
-VACUUM_AFTER_DEAD = 100_000
+VACUUM_AFTER_DEAD = 50_000
 VACUUM_INTERVAL = 10.0
 _LOCK_NOT_AVAILABLE = "55P03"
 
