@@ -36,6 +36,8 @@ class Sizes:
     backlog_reference: int = 20_000
     retention_rows: int = 1_000_000
     retention_measured: int = 30_000
+    # Rounds per table in retention, alternating empty and full: the median.
+    retention_rounds: int = 3
     latency_rates: tuple[int, ...] = (100, 500, 2000)
     wire: int = 150_000
     wire_rounds: int = 2
@@ -96,6 +98,7 @@ QUICK = Sizes(
     backlog_reference=2_000,
     retention_rows=10_000,
     retention_measured=2_000,
+    retention_rounds=1,
     wire=5_000,
     wire_rounds=1,
     sqs_ref=100,
