@@ -356,14 +356,14 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
                     await preload_inbox_rows(url, queue, rows, age_hours=24 * 6)
             tables.append((label, rows, url, exchange, queue))
         rates: dict[str, list[float]] = {"empty": [], "full": []}
-        calm: dict[str, Any] = {}
+        calm: dict[str, dict[str, Any]] = {}  # each table's last settle()
         for done in range(rounds):
             for label, _rows, url, exchange, queue in tables:
                 if table == "outbox":
                     await preload_outbox(url, measured)
                 else:
                     await fill_queue(res, exchange, queue, measured)
-                calm = await settle(url, quiet_for=sz.quiet_for)
+                calm[label] = await settle(url, quiet_for=sz.quiet_for)
                 since = await db_now(url)
                 if table == "outbox":
                     points = await run_outbox(res, url, exchange, measured, since=since)
@@ -392,7 +392,7 @@ async def scenario_retention(res: Resources, sz: Sizes, report: Report) -> None:
                     finished_rows=rows,
                     runs=[round(r) for r in rates[label]],
                     of=f"the median of {rounds} rounds, alternating empty and full",
-                    **calm,
+                    **calm[label],
                 )
             await res.drop_database(url)
         empty, full = (

@@ -51,7 +51,7 @@ class _ClockedHistogram(Histogram):
         super().observe(amount, exemplar)
 
 
-def _table_gauges(r: CollectorRegistry) -> tuple[Gauge, Gauge, Counter]:
+def _table_metrics(r: CollectorRegistry) -> tuple[Gauge, Gauge, Counter]:
     """The daemon's table as autovacuum sees it, and relay's own vacuums of
     it (relay.maintenance.Vacuums; docs/backlog.md)."""
     return (
@@ -108,7 +108,7 @@ class OutboxMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.dead_tuples, self.last_vacuum, self.vacuums = _table_gauges(r)
+        self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -147,7 +147,7 @@ class InboxMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.dead_tuples, self.last_vacuum, self.vacuums = _table_gauges(r)
+        self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
