@@ -92,12 +92,15 @@ class Vacuums:
             and now - max(vacuumed, self.last) >= VACUUM_INTERVAL
         )
 
-    def start(self, dead: int, vacuumed: float) -> None:
-        """check() in a task of its own, unless one still runs: the job that
-        looks every VACUUM_CHECK seconds does not wait for a vacuum (which
-        takes seconds on a large table)."""
+    def start(self, look: Callable[[], Awaitable[None]]) -> None:
+        """`look` (read the table's statistics, then check()) in a task of
+        its own, unless the last one still runs: the job that starts it every
+        VACUUM_CHECK seconds neither waits for a vacuum (seconds on a large
+        table) nor piles up behind a database that is away (a connection
+        attempt may take seconds, and APScheduler would warn of each
+        overlapping run)."""
         if self.running is None or self.running.done():
-            self.running = asyncio.ensure_future(self.check(dead, vacuumed))
+            self.running = asyncio.ensure_future(look())
             self.running.add_done_callback(self._failed)
 
     def _failed(self, task: asyncio.Task[None]) -> None:
@@ -192,15 +195,18 @@ async def run_scheduler(
         metrics.pending.set(count)
         metrics.oldest_pending.set(age)
 
-    @_job
-    async def health() -> None:
+    async def look() -> None:
         try:
             dead, vacuumed = await table_health(store, table)
         except Unavailable:
             return
         metrics.dead_tuples.labels(table=table).set(dead)
         metrics.last_vacuum.labels(table=table).set(vacuumed)
-        vacuums.start(dead, vacuumed)
+        await vacuums.check(dead, vacuumed)
+
+    @_job
+    async def health() -> None:
+        vacuums.start(look)
 
     scheduler = AsyncIOScheduler(job_defaults={"coalesce": True, "max_instances": 1})
     now = datetime.now().astimezone()

@@ -330,27 +330,31 @@ async def test_vacuums_stop_for_a_user_that_may_not_vacuum(database, engine, cap
 
 
 async def test_vacuums_run_one_at_a_time_beside_the_job_that_looks(database, engine):
-    """start() leaves the vacuum to a task and returns: the job that looks
-    every VACUUM_CHECK seconds does not wait for it, and while it runs a
-    second start() starts nothing."""
+    """start() leaves the look and its vacuum to a task and returns: the job
+    that starts it every VACUUM_CHECK seconds does not wait for it, and
+    while it runs a second start() starts nothing."""
     with engine.begin() as conn:
         conn.execute(sa.text("ALTER TABLE outbox SET (autovacuum_enabled = false)"))
     _churn(engine, "outbox", 2000)
     store = Store(database)
     metrics = OutboxMetrics()
     vacuums = Vacuums(store, "outbox", metrics)
+
+    async def look() -> None:
+        await vacuums.check(VACUUM_AFTER_DEAD, 0.0)
+
     try:
-        vacuums.start(VACUUM_AFTER_DEAD, 0.0)
+        vacuums.start(look)
         first = vacuums.running
         assert first is not None and not first.done()
-        vacuums.start(VACUUM_AFTER_DEAD, 0.0)
+        vacuums.start(look)
         assert vacuums.running is first
         await first
         assert metrics.vacuums.labels(table="outbox")._value.get() == 1
         wait_until(lambda: _dead(engine, "outbox") < 2000, timeout=30)
         # Done, and within VACUUM_INTERVAL of it: the next look starts a
         # task that vacuums nothing.
-        vacuums.start(VACUUM_AFTER_DEAD, 0.0)
+        vacuums.start(look)
         assert vacuums.running is not first
         await vacuums.stop()
         assert metrics.vacuums.labels(table="outbox")._value.get() == 1
