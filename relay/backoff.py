@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -65,8 +66,27 @@ async def wait_to_reconnect(
     """After the `failures`-th outage in a row: log it and wait out its
     backoff, or until `stopping` is set."""
     delay = backoff.delay(failures)
-    log.warning("%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
+    level = logging.WARNING if _first_to_say(log.name, str(exc), delay) else logging.DEBUG
+    log.log(level, "%s; retrying in %.1fs", exc, delay, extra={"action": "reconnect_wait"})
     await sleep_unless(stopping, delay)
+
+
+# When each outage was last logged, by logger and text: the outbox's
+# workers and the inbox's dispatchers all meet the same outage at once, and
+# one line says it (the others go to DEBUG).
+_said: dict[tuple[str, str], float] = {}
+
+
+def _first_to_say(logger: str, text: str, delay: float) -> bool:
+    now = time.monotonic()
+    key = (logger, text)
+    if now < _said.get(key, 0.0):
+        return False
+    if len(_said) > 256:
+        _said.clear()
+    # Quiet for the wait just announced: the next line comes with the next wait.
+    _said[key] = now + max(delay, 0.2) * 0.9
+    return True
 
 
 async def until_available(

@@ -49,7 +49,18 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
 def _common(f: F) -> F:
     for decorator in reversed(
         [
-            option("--database-url", required=True, help="postgresql://user:pass@host:port/db"),
+            option(
+                "--database-url",
+                required=True,
+                help="postgresql://user:pass@host:port/db (several hosts: "
+                "postgresql://user@db1:5432,db2:5432/db; libpq's sslmode, sslrootcert, ...)",
+            ),
+            option(
+                "--database-password-command",
+                default=None,
+                help="shell command printing the database password, run when relay opens "
+                "a connection (output reused up to 60 s): RDS IAM tokens, Vault",
+            ),
             option(
                 "--log-level",
                 default="INFO",
@@ -160,6 +171,14 @@ def _daemon_options(f: F) -> F:
 
 
 def _setup_logs(kwargs: dict[str, Any]) -> None:
+    """Logging as asked, with every secret masked; the password command
+    installed for every connection this process opens."""
+    command = kwargs.pop("database_password_command", None)
+    if command is not None and not command.strip():
+        _fail_config(ConfigError("--database-password-command is blank: unset it or give one"))
+    from relay.db import connect
+
+    connect.use_password_command(command)
     secrets = [
         config.url_password(kwargs.get("database_url")),
         *config.url_passwords(kwargs.get("broker_url")),

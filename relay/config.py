@@ -7,8 +7,10 @@ Every check that can fail on bad input raises ConfigError with one clear line.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relay.errors import ConfigError
@@ -102,10 +104,6 @@ def normalize_database_url(url: str, what: str = "database") -> str:
             f"invalid {what} URL {redact_url(url)!r}: expected postgresql://user@host/dbname"
         )
     if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
-        try:
-            urllib.parse.urlsplit(url).port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError as exc:
-            raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {exc}") from None
         _check_libpq_url(url, what)
         return "postgresql+psycopg://" + rest
     raise ConfigError(
@@ -121,13 +119,65 @@ def _check_libpq_url(url: str, what: str) -> None:
     from psycopg.conninfo import conninfo_to_dict
 
     try:
-        conninfo_to_dict("postgresql://" + url.partition("://")[2])
+        params = conninfo_to_dict("postgresql://" + url.partition("://")[2])
     except psycopg.Error as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         password = url_password(url)
         if password:
             reason = reason.replace(password, "***")
         raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {reason}") from None
+    for port in str(params.get("port") or "").split(","):
+        if port.strip() and not (port.strip().isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: bad port {port!r}")
+    problem = _tls_setting_problem(params)
+    if problem:
+        raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {problem}")
+
+
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+_TARGET_SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
+
+
+def _tls_setting_problem(params: Mapping[str, object]) -> str | None:
+    """What libpq would refuse at every connect in the URL's TLS (and
+    target_session_attrs) parameters, which it only says when it connects:
+    an unknown sslmode, a certificate or key file that is not there."""
+    sslmode = params.get("sslmode")
+    if sslmode is not None and sslmode not in _SSLMODES:
+        return f"unknown sslmode {sslmode!r}: use one of {', '.join(_SSLMODES)}"
+    attrs = params.get("target_session_attrs")
+    if attrs is not None and attrs not in _TARGET_SESSION_ATTRS:
+        return (
+            f"unknown target_session_attrs {attrs!r}: use one of {', '.join(_TARGET_SESSION_ATTRS)}"
+        )
+    for name in ("sslrootcert", "sslcert", "sslkey", "sslcrl"):
+        path = params.get(name)
+        if not path or (name == "sslrootcert" and path == "system"):
+            continue
+        if not os.path.isfile(os.path.expanduser(str(path))):
+            return f"{name} {str(path)!r}: no such file"
+    if sslmode in ("verify-ca", "verify-full") and not params.get("sslrootcert"):
+        default = os.path.expanduser("~/.postgresql/root.crt")
+        if not os.path.isfile(default):
+            return (
+                f"sslmode={sslmode} verifies the server's certificate, but no sslrootcert "
+                f"is given and {default} does not exist (sslrootcert=system uses the "
+                "system's roots)"
+            )
+    return None
+
+
+def _check_tls_files(url: str, query: Mapping[str, list[str]]) -> None:
+    """ConfigError for an amqps:// URL's cafile, certfile or keyfile that is
+    not there (aiormq would only fail at each connect)."""
+    for name in ("cafile", "certfile", "keyfile"):
+        for path in query.get(name, []):
+            if not os.path.isfile(os.path.expanduser(path)):
+                raise ConfigError(
+                    f"invalid broker URL {redact_url(url)!r}: {name} {path!r}: no such file"
+                )
+    if "keyfile" in query and "certfile" not in query:
+        raise ConfigError(f"invalid broker URL {redact_url(url)!r}: keyfile without certfile")
 
 
 @dataclass(frozen=True)
@@ -173,6 +223,8 @@ class BrokerURL:
                     f"invalid broker URL {redact_url(url)!r}: a comma outside a list of "
                     "URLs (list nodes as amqp://u:p@a:5672/,amqp://u:p@b:5672/)"
                 )
+            if parts.scheme == "amqps":
+                _check_tls_files(url, urllib.parse.parse_qs(parts.query))
             return cls(url=url, kind="amqp", nodes=(url,))
         if parts.scheme == "sqs":
             query = urllib.parse.parse_qs(parts.query)

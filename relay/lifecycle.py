@@ -130,7 +130,7 @@ class Daemon:
             if now - since <= service.stall_after:
                 self._stalled.discard(service.name)
                 continue
-            if not await self._service_ready(service):
+            if await self._service_unready(service) is not None:
                 self._excused[service.name] = now
                 continue
             if service.name not in self._stalled:
@@ -159,21 +159,28 @@ class Daemon:
         if not self.alive():
             return "a loop or background task has died"
         for service in self.services:
-            if not await self._service_ready(service):
-                return f"{service.name}: the database or the broker does not answer"
+            failure = await self._service_unready(service)
+            if failure is not None:
+                return f"{service.name}: {failure}"
             reason = service.unready() if service.unready is not None else None
             if reason:
                 return f"{service.name}: {reason}"
         return None
 
-    async def _service_ready(self, service: Service) -> bool:
+    async def _service_unready(self, service: Service) -> str | None:
+        """Why the service's database or broker does not answer (or cannot
+        take its work, as a read-only database), or None when they do."""
         if service.ready is None:
-            return True
+            return None
         try:
-            return bool(await asyncio.wait_for(service.ready(), PROBE_TIMEOUT))
-        except Exception as exc:  # an unreachable server, a timeout: not ready
+            if await asyncio.wait_for(service.ready(), PROBE_TIMEOUT):
+                return None
+            return "the broker does not answer"
+        except TimeoutError:
+            return f"the database or the broker did not answer within {PROBE_TIMEOUT:g}s"
+        except Exception as exc:  # an unreachable server: not ready, and why
             log.debug("%s: %s not ready: %r", self.name, service.name, exc)
-            return False
+            return str(exc) or type(exc).__name__
 
     def metrics(self) -> bytes | None:
         """Every service's metrics in the Prometheus text format, or None without any."""

@@ -37,6 +37,7 @@ from relay import logs
 from relay.backoff import until_available
 from relay.brokers import Consumer, make_consumer
 from relay.config import InboxSettings
+from relay.db.connect import password_command, use_password_command
 from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, Lead, LeadGate, Pace
@@ -191,6 +192,9 @@ class ReceiverProcess:
         package_root = str(Path(__file__).resolve().parent.parent)  # noqa: ASYNC240 - once
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        command = password_command()
+        if command is not None:  # given as a flag, or the variable itself
+            env["RELAY_DATABASE_PASSWORD_COMMAND"] = command.command
         ours, theirs = socket.socketpair()
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -358,6 +362,7 @@ def main() -> None:
     # whole process group) and tells this process when to stop.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
+    use_password_command(os.environ.get("RELAY_DATABASE_PASSWORD_COMMAND") or None)
     try:
         code = asyncio.run(_child(fd))
     except Exception:

@@ -17,8 +17,9 @@ import time
 from relay import tracing
 from relay.backoff import reconnect_backoff, until_available
 from relay.brokers import Consumer, make_publisher
-from relay.config import InboxSettings, OutboxSettings
+from relay.config import DaemonSettings, InboxSettings, OutboxSettings
 from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
+from relay.db.connect import check_tls
 from relay.errors import Unavailable
 from relay.handlers import HandlerRegistry, is_async
 from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
@@ -33,6 +34,14 @@ from relay.receiver_process import LocalReceiver, ReceiverProcess
 # The loops' own loggers: a daemon's lines keep the name of its loop.
 outbox_log = logging.getLogger("relay.outbox")
 inbox_log = logging.getLogger("relay.inbox")
+
+
+async def check_database_tls(settings: DaemonSettings) -> None:
+    """ConfigError (exit 2) when the database's TLS cannot work: checked once
+    at start, for --database-url and --listen-url."""
+    await check_tls(settings.database_url)
+    if settings.listen_url:
+        await check_tls(settings.listen_url, "--listen-url")
 
 
 def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
@@ -109,6 +118,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
 
 async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
     """`relay outbox`: run the relay with its listener, jobs and probes; returns the exit code."""
+    await check_database_tls(settings)
     daemon = Daemon(
         name="outbox",
         services=[outbox_service(settings, once=once)],
@@ -250,6 +260,7 @@ def inbox_service(
 async def serve_inbox(settings: InboxSettings, registry: HandlerRegistry) -> int:
     """`relay inbox`: receiver process, dispatchers, listener, jobs and probes;
     returns the exit code."""
+    await check_database_tls(settings)
     daemon = Daemon(
         name="inbox",
         services=[inbox_service(settings, registry, receiver_process=True)],

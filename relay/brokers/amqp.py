@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import re
+import ssl
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -74,29 +75,46 @@ def _unavailable(exc: BaseException, url: str) -> BrokerUnavailable:
     return BrokerUnavailable(f"RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}")
 
 
+class _TLSRefused(BrokerUnavailable):
+    """The node's certificate did not verify (CA or host name), or TLS
+    could not be set up with the given files: no retry mends it at start."""
+
+
 async def _connect_one(url: str) -> AbstractConnection:
     try:
         return await aio_pika.connect(url, timeout=CONNECT_TIMEOUT)
     except aiormq.exceptions.ProbableAuthenticationError as exc:
         raise BrokerUnavailable(f"RabbitMQ at {redact_url(url)} refused the login: {exc}") from exc
+    except ssl.SSLError as exc:
+        reason = getattr(exc, "verify_message", None) or exc.reason or str(exc)
+        raise _TLSRefused(
+            f"RabbitMQ at {redact_url(url)}: TLS failed: {reason} (check ?cafile=, the "
+            "server's certificate and the host name in the URL)"
+        ) from exc
     except _CONNECTION_ERRORS as exc:
         raise _unavailable(exc, url) from exc
 
 
-async def _connect(nodes: Sequence[str], first: int) -> tuple[AbstractConnection, int]:
+async def _connect(
+    nodes: Sequence[str], first: int, *, starting: bool = False
+) -> tuple[AbstractConnection, int]:
     """A connection to the first node that answers, trying them in order from
     `first` round the list; and that node's index. BrokerUnavailable naming
-    each node's failure when none answers."""
-    failures = []
+    each node's failure when none answers; ConfigError when `starting` (no
+    connection was made yet) and every node refused TLS: a certificate that
+    does not verify is bad configuration."""
+    failures: list[BrokerUnavailable] = []
     for step in range(len(nodes)):
         index = (first + step) % len(nodes)
         try:
             return await _connect_one(nodes[index]), index
         except BrokerUnavailable as exc:
-            failures.append(str(exc))
+            failures.append(exc)
+    if starting and all(isinstance(exc, _TLSRefused) for exc in failures):
+        raise ConfigError("; ".join(map(str, failures)))
     if len(failures) == 1:
-        raise BrokerUnavailable(failures[0])
-    raise BrokerUnavailable("no RabbitMQ node answered: " + "; ".join(failures))
+        raise BrokerUnavailable(str(failures[0]))
+    raise BrokerUnavailable("no RabbitMQ node answered: " + "; ".join(map(str, failures)))
 
 
 async def _declare_exchange(channel: AbstractChannel, name: str) -> aio_pika.abc.AbstractExchange:
@@ -132,7 +150,7 @@ class _Client:
         """Connect to the first node that answers; after a lost connection,
         the nodes after the one lost come first."""
         first = (self._node + 1) % len(self.nodes) if self._was_connected else self._node
-        connection, self._node = await _connect(self.nodes, first)
+        connection, self._node = await _connect(self.nodes, first, starting=not self._was_connected)
         if self._was_connected and len(self.nodes) > 1:
             log.info(
                 "RabbitMQ: now on node %d of %d (%s)",

@@ -16,8 +16,12 @@ made-up one, never that of the server process (see docs/pgbouncer.md).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import subprocess
+import threading
+import time
 from typing import Any
 
 import psycopg
@@ -25,6 +29,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from relay.db.sql import query
+from relay.errors import ConfigError, DatabaseUnavailable
 
 log = logging.getLogger("relay.pg")
 
@@ -73,13 +78,147 @@ async def connect_detecting(
 
 
 async def _connect(conninfo: str, **settings: Any) -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(
-        conninfo,
-        autocommit=True,
-        connect_timeout=CONNECT_TIMEOUT,
-        application_name=APPLICATION_NAME,
-        **settings,
-    )
+    command = _password_command
+    if command is not None:
+        settings["password"] = await asyncio.to_thread(command.password)
+    try:
+        return await psycopg.AsyncConnection.connect(
+            conninfo,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT,
+            application_name=APPLICATION_NAME,
+            **settings,
+        )
+    except psycopg.OperationalError as exc:
+        refused_password(exc)
+        raise
+
+
+# -- short-lived credentials (--database-password-command) ---------------------
+
+# How long one output of the password command is used for new connections.
+PASSWORD_REUSE_SECONDS = 60.0
+PASSWORD_COMMAND_TIMEOUT = 30.0
+
+
+class PasswordCommand:
+    """--database-password-command: a shell command whose standard output,
+    stripped, is the password of every connection relay opens.
+
+    Run when a connection is opened and its last output is older than
+    PASSWORD_REUSE_SECONDS (an RDS IAM token lives 15 minutes, a Vault lease
+    longer), and again after the server refused a password. A command that
+    fails or prints nothing is DatabaseUnavailable: waited out like an
+    unreachable database. Thread-safe: the sync engine's connects run in
+    dispatcher threads."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self._lock = threading.Lock()
+        self._password: str | None = None
+        self._at = 0.0
+
+    def password(self) -> str:
+        with self._lock:
+            now = time.monotonic()
+            if self._password is None or now - self._at >= PASSWORD_REUSE_SECONDS:
+                self._password = self._run()
+                self._at = now
+            return self._password
+
+    def forget(self) -> None:
+        """The server refused the password: run the command before the next connect."""
+        with self._lock:
+            self._password = None
+
+    def _run(self) -> str:
+        try:
+            done = subprocess.run(
+                ["/bin/sh", "-c", self.command],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=PASSWORD_COMMAND_TIMEOUT,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise DatabaseUnavailable(f"--database-password-command did not run: {exc}") from exc
+        password = done.stdout.decode(errors="replace").strip()
+        if done.returncode != 0:
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise DatabaseUnavailable(
+                f"--database-password-command exited {done.returncode}"
+                + (f": {said[-1][:200]}" if said else "")
+            )
+        if not password:
+            raise DatabaseUnavailable("--database-password-command printed no password")
+        return password
+
+
+_password_command: PasswordCommand | None = None
+
+
+def use_password_command(command: str | None) -> None:
+    """Install (or, with None, remove) the password command for every
+    connection this process opens: the pooled engines, the outbox sessions,
+    the inbox writer and LISTEN. Once per process, by the CLI (and the
+    inbox's receiver process, from its settings)."""
+    global _password_command
+    _password_command = PasswordCommand(command) if command else None
+
+
+def password_command() -> PasswordCommand | None:
+    return _password_command
+
+
+def current_password() -> str | None:
+    """The password command's password (blocking), or None without one."""
+    command = _password_command
+    return command.password() if command is not None else None
+
+
+_AUTH_FAILED = ("password authentication failed", "PAM authentication failed")
+
+
+def refused_password(exc: BaseException) -> None:
+    """After the server refused the password, the command runs again before
+    the next connect (its token may have expired meanwhile)."""
+    command = _password_command
+    if command is not None and any(text in str(exc) for text in _AUTH_FAILED):
+        command.forget()
+
+
+# -- TLS: a certificate that does not verify is bad configuration --------------
+
+_TLS_REFUSALS = (
+    "certificate verify failed",
+    "does not match host name",
+    "root certificate file",
+    "could not load private key file",
+    "could not read root certificate file",
+    "could not open certificate file",
+    "certificate present, but not private key file",
+    "private key file",
+    "could not set SSL protocol",
+    "invalid sslmode value",
+    "invalid value for parameter",
+    "SSL is not enabled on the server",
+    "server does not support SSL, but SSL was required",
+    "weak sslmode",
+)
+
+
+def tls_refusal(exc: BaseException) -> str | None:
+    """The first line of a connect error that no retry can mend: the
+    server's certificate did not verify against the CA or the host name, a
+    certificate file is missing, an sslmode the server cannot give. None
+    for any other error."""
+    text = str(exc).strip()
+    if not any(marker in text for marker in _TLS_REFUSALS):
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if any(marker in line for marker in _TLS_REFUSALS):
+            return line
+    return lines[0] if lines else type(exc).__name__
 
 
 def refused_options(exc: BaseException) -> bool:
@@ -109,10 +248,45 @@ async def behind_pooler(conn: psycopg.AsyncConnection[Any]) -> bool:
     return pooled_pid(conn.info.backend_pid, row[0] if row else None)
 
 
+async def check_tls(database_url: str, what: str = "--database-url") -> None:
+    """Connect once, as a daemon starts: ConfigError when TLS refuses (the
+    server's certificate does not verify against sslrootcert or the host
+    name, a certificate file cannot be read), which no retry mends. Any
+    other failure is left to the daemon's loops, which wait it out."""
+    try:
+        conn = await _connect(libpq_url(database_url))
+    except Exception as exc:
+        reason = tls_refusal(exc)
+        if reason is not None:
+            raise ConfigError(f"{what}: TLS failed: {reason}") from None
+        return
+    await conn.close()
+
+
 def libpq_url(database_url: str) -> str:
     """The libpq form of a database URL: relay's settings may spell the
-    scheme postgresql+psycopg://, SQLAlchemy's form."""
-    return "postgresql://" + database_url.partition("://")[2]
+    scheme postgresql+psycopg://, SQLAlchemy's form. A URL naming several
+    hosts asks for the one that takes writes (target_session_attrs
+    read-write) unless it says otherwise: relay only ever writes."""
+    url = "postgresql://" + database_url.partition("://")[2]
+    return with_writer_preference(url)
+
+
+def several_hosts(conninfo: str) -> bool:
+    """Does the libpq URL or conninfo name more than one host?"""
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        return False
+    return "," in str(params.get("host") or params.get("hostaddr") or "")
+
+
+def with_writer_preference(url: str) -> str:
+    """`url` with target_session_attrs=read-write when it names several
+    hosts and no target_session_attrs of its own."""
+    if not several_hosts(url) or "target_session_attrs" in conninfo_to_dict(url):
+        return url
+    return url + ("&" if "?" in url else "?") + "target_session_attrs=read-write"
 
 
 async def create_database_if_missing(database_url: str) -> str | None:

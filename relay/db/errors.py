@@ -35,6 +35,7 @@ __all__ = [
     "is_driver_error",
     "lock_not_available",
     "refused_by_content",
+    "server_unavailable",
     "statement_gone",
     "translate_errors",
     "unavailable",
@@ -51,8 +52,26 @@ def connection_invalidated(exc: BaseException) -> bool:
     return _sqlalchemy(exc, "DBAPIError") and bool(getattr(exc, "connection_invalidated", False))
 
 
+# What a database answers while it fails over, starts, stops or refuses
+# connections: read only (a demoted writer, a hot standby), admin_shutdown,
+# crash_shutdown, cannot_connect_now, object_not_in_prerequisite_state,
+# too_many_connections. relay waits these out like a server that is away,
+# on a new connection: the one that got the answer may stay read only.
+UNAVAILABLE_SQLSTATES = frozenset({"25006", "57P01", "57P02", "57P03", "55000", "53300"})
+
+
+def server_unavailable(exc: BaseException) -> bool:
+    """Did the server answer that it cannot take relay's work now (see
+    UNAVAILABLE_SQLSTATES)? Looks through SQLAlchemy's wrapper."""
+    orig = getattr(exc, "orig", None) if _sqlalchemy(exc, "DBAPIError") else exc
+    return getattr(orig, "sqlstate", None) in UNAVAILABLE_SQLSTATES
+
+
 def is_disconnect(exc: BaseException) -> bool:
-    """Does `exc` mean the server or the connection went away?"""
+    """Does `exc` mean the server or the connection went away, or that the
+    server cannot take writes now (server_unavailable)?"""
+    if server_unavailable(exc):
+        return True
     if _sqlalchemy(exc, "DBAPIError"):
         return connection_invalidated(exc) or isinstance(
             getattr(exc, "orig", None), psycopg.OperationalError

@@ -18,16 +18,24 @@ from typing import Any
 import orjson
 import psycopg
 import sqlalchemy as sa
+from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from relay.config import redact_url
 from relay.db import connect as pg
 from relay.db import schema
-from relay.db.errors import failed_command, translate_errors
+from relay.db.errors import failed_command, server_unavailable, translate_errors
 from relay.db.session import OutboxSession
 from relay.db.sql import claim, query
+from relay.errors import DatabaseUnavailable
 from relay.limits import clean_error
 from relay.rows import Failure, InboxRow
+
+# The engines' URL names only the dialect: each connect is given libpq's
+# own URL (see _connect_as_libpq).
+_ENGINE_URL = "postgresql+psycopg://"
+
+READ_ONLY = "the database is read only (a failover's demoted writer, or a standby)"
 
 NOTIFY_OUTBOX = "relay_outbox"
 NOTIFY_INBOX = "relay_inbox"
@@ -154,27 +162,43 @@ class HandlerSavepoints:
         return bool(self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR)
 
 
-def _as_list(value: str | tuple[str, ...] | None) -> list[str]:
-    """A URL query parameter's values (it may be absent or repeated)."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
+def _url_options(conninfo: str) -> list[str]:
+    """The `options` a libpq URL gives (`?options=-csearch_path%3Dapp`), if any."""
+    value = conninfo_to_dict(conninfo).get("options")
+    return [str(value)] if value else []
 
 
-def _keep_no_session_state_behind_a_pooler(engine: sa.Engine) -> None:
-    """On each new connection of `engine`, find out whether a pooler is
-    between (relay.db.connect); if so, psycopg prepares no statement on it,
+def _connect_as_libpq(engine: sa.Engine, conninfo: str) -> None:
+    """Connect `engine` with libpq's URL `conninfo` and the password
+    command's password (relay.db.connect); on each new connection find out
+    whether a pooler is between: if so, psycopg prepares no statement on it,
     and backend_pid() knows no pid for it. A pooler that refuses the
-    `options` startup parameter is asked again without them."""
+    `options` startup parameter is asked again without them. An answer of a
+    server that cannot take writes now invalidates the connection."""
 
     @sa.event.listens_for(engine, "do_connect")
     def connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+        # libpq's own URL (several hosts, TLS parameters), which
+        # SQLAlchemy's URL cannot hold; the password command's password.
+        cargs = [conninfo, *cargs[1:]]
+        password = pg.current_password()
+        if password is not None:
+            cparams = {**cparams, "password": password}
         try:
             return dialect.connect(*cargs, **cparams)
         except psycopg.OperationalError as exc:
+            pg.refused_password(exc)
             if "options" not in cparams or not pg.refused_options(exc):
                 raise
             return dialect.connect(*cargs, **{k: v for k, v in cparams.items() if k != "options"})
+
+    @sa.event.listens_for(engine, "handle_error")
+    def failing_over(context: Any) -> None:
+        # A server that answers read only, or that it is shutting down,
+        # keeps that session so: SQLAlchemy throws the connection (and the
+        # pool's others, all on that server) away as for a lost one.
+        if server_unavailable(context.original_exception):
+            context.is_disconnect = True
 
     @sa.event.listens_for(engine, "connect")
     def detect(dbapi_connection: Any, record: Any) -> None:
@@ -198,11 +222,14 @@ class Store:
     """The relay's view of PostgreSQL: an async engine and named queries."""
 
     def __init__(self, database_url: str, *, pool_size: int = 5, sync: bool = False) -> None:
-        self.url = sa.make_url(database_url)
+        self.database_url = database_url
+        # libpq parses the URL (several hosts, TLS parameters); SQLAlchemy's
+        # URL cannot hold several hosts, so its engines get this one instead.
+        self._conninfo = pg.libpq_url(database_url)
         # JIT compiles the claim for far longer than the claim runs without
         # it, because its cost estimate is large (docs/outbox.md). Options given in the URL
         # (`?options=-csearch_path%3Dapp`) are kept.
-        self.session_options = [*_as_list(self.url.query.get("options")), "-c jit=off"]
+        self.session_options = [*_url_options(self._conninfo), "-c jit=off"]
         options: dict[str, Any] = {
             "pool_size": pool_size,
             "max_overflow": pool_size,
@@ -214,24 +241,26 @@ class Store:
                 "options": " ".join(self.session_options),
             },
         }
-        self.engine: AsyncEngine = create_async_engine(self.url, **options)
+        self.engine: AsyncEngine = create_async_engine(_ENGINE_URL, **options)
         # The same database through psycopg's blocking connection, for a
         # dispatcher whose handlers are all sync (see relay.inbox.Dispatcher).
-        self.sync_engine: sa.Engine | None = sa.create_engine(self.url, **options) if sync else None
+        self.sync_engine: sa.Engine | None = (
+            sa.create_engine(_ENGINE_URL, **options) if sync else None
+        )
         for engine in (self.engine.sync_engine, self.sync_engine):
             if engine is not None:
-                _keep_no_session_state_behind_a_pooler(engine)
+                _connect_as_libpq(engine, self._conninfo)
         self._claim_inbox = {
             policy: sa.text(claim("inbox", policy)) for policy in ("skip", "block")
         }
 
     def __repr__(self) -> str:
-        return f"Store({redact_url(str(self.url))!r})"
+        return f"Store({redact_url(self.database_url)!r})"
 
     @property
     def conninfo(self) -> str:
         """A libpq URL for plain psycopg connections (LISTEN)."""
-        return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        return self._conninfo
 
     async def close(self) -> None:
         await self.engine.dispose()
@@ -266,7 +295,11 @@ class Store:
 
     async def ping(self) -> None:
         async with self.connection() as conn:
-            await conn.execute(named("ping"))
+            if await conn.scalar(named("ping")) == "on":
+                # A session that began read only stays so: the next ping
+                # must come from a new connection.
+                await conn.invalidate()
+                raise DatabaseUnavailable(READ_ONLY)
 
     async def check_schema(self) -> None:
         """SchemaError unless the tables exist at the version this relay knows."""

@@ -57,7 +57,9 @@ ROLLBACK TO SAVEPOINT relay_handler
 RELEASE SAVEPOINT relay_handler
 
 -- name: ping
-SELECT 1
+-- The readiness probe: answers, and takes writes (a failover's demoted
+-- writer or a standby answers read only).
+SELECT current_setting('transaction_read_only')
 
 -- name: notify
 SELECT pg_notify(:channel, :payload)
