@@ -1,0 +1,482 @@
+"""What managed PostgreSQL and brokers do in production, on real servers:
+a failover to a streaming standby, an endpoint that answers read only,
+passwords that expire, TLS with certificate verification (issue 32).
+
+Both daemons run as subprocesses under a producer's load; every check is
+on the database's rows: every committed outbox row published, every
+message's effect once, nothing dead, no attempt counted, both daemons up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Self
+
+import psycopg
+import pytest
+
+from tests.apps.handlers import EFFECTS_DDL
+from tests.conftest import RELAY, REPO, RelayProcess, free_port, wait_until
+from tests.pgcluster import OWN_SERVER_TESTS, Certificates, Cluster, cluster, own_directory
+
+TOPIC = "managed.e"
+
+
+def http_get(port: int, path: str) -> tuple[int | None, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return None, ""
+
+
+class Producer:
+    """Inserts outbox rows of type Effect on `keys` keys, a few per
+    transaction, until stopped; connects anew (to the writer of a
+    multi-host URL) after any failure. Which rows committed is read from
+    the database afterwards: a commit whose answer was lost may have
+    landed."""
+
+    def __init__(self, conninfo: str, keys: int = 6) -> None:
+        self.conninfo = conninfo
+        self.keys = keys
+        self.stopping = threading.Event()
+        self.failures = 0
+        self.sent = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        n = 0
+        conn: psycopg.Connection | None = None
+        while not self.stopping.is_set():
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.conninfo, connect_timeout=3)
+                    # The shared server's read-only fault is for relay only.
+                    conn.execute("SET default_transaction_read_only = off")
+                    conn.commit()
+                with conn.transaction():
+                    for _ in range(5):
+                        conn.execute(
+                            "INSERT INTO outbox (topic, key, type, payload) "
+                            "VALUES (%s, %s, 'Effect', jsonb_build_object('n', %s::int))",
+                            (TOPIC, f"k{n % self.keys}", n),
+                        )
+                        n += 1
+                self.sent = n
+            except psycopg.Error:
+                self.failures += 1
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                conn = None
+                time.sleep(0.2)
+                continue
+            time.sleep(0.02)
+        if conn is not None:
+            conn.close()
+
+
+def effect_check(conninfo: str) -> dict[str, Any]:
+    """Every outbox row published and handled once, in order per key, and
+    nothing dead or counted as an attempt, in either table."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        outbox = conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE status <> 'published'), "
+            "coalesce(sum(attempts), 0) FROM outbox"
+        ).fetchone()
+        inbox = conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE status <> 'processed'), "
+            "coalesce(sum(attempts), 0) FROM inbox"
+        ).fetchone()
+        effects = conn.execute(
+            "SELECT count(*), count(DISTINCT message_id) FROM effects"
+        ).fetchone()
+        missing = conn.execute(
+            "SELECT count(*) FROM outbox o WHERE NOT EXISTS "
+            "(SELECT 1 FROM effects e WHERE e.message_id = o.id::text)"
+        ).fetchone()[0]
+        disorder = conn.execute(
+            "SELECT count(*) FROM (SELECT n, lag(n) OVER (PARTITION BY key ORDER BY id) AS before "
+            "FROM effects) e WHERE n < before"
+        ).fetchone()[0]
+    assert outbox is not None and inbox is not None and effects is not None
+    return {
+        "rows": outbox[0],
+        "unpublished": outbox[1],
+        "outbox_attempts": outbox[2],
+        "unprocessed": inbox[1],
+        "inbox_attempts": inbox[2],
+        "effects": effects[0],
+        "distinct_effects": effects[1],
+        "missing_effects": missing,
+        "out_of_order": disorder,
+    }
+
+
+def all_done(conninfo: str) -> Callable[[], Any]:
+    def check() -> Any:
+        with contextlib.suppress(psycopg.Error):
+            found = effect_check(conninfo)
+            if found["rows"] and not found["unpublished"] and not found["missing_effects"]:
+                return found
+        return None
+
+    return check
+
+
+def assert_clean(found: dict[str, Any]) -> None:
+    assert found["unpublished"] == found["unprocessed"] == 0, found
+    assert found["outbox_attempts"] == found["inbox_attempts"] == 0, found
+    assert found["effects"] == found["distinct_effects"] == found["rows"], found
+    assert found["out_of_order"] == 0, found
+
+
+@pytest.fixture
+def daemons(rabbit: Any, tmp_path: Path) -> Iterator[Callable[..., tuple[RelayProcess, ...]]]:
+    """Start `relay outbox` and `relay inbox` (the test handlers) on a database
+    URL and the shared RabbitMQ, with HTTP probes; stopped after the test."""
+    import os
+
+    started: list[RelayProcess] = []
+    queue = f"{rabbit.exchange}.in"
+    rabbit.queues.append(queue)
+
+    def start(database_url: str, *extra: str, env: dict[str, str] | None = None) -> Any:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+        base.update(
+            {
+                "RELAY_DATABASE_URL": database_url,
+                "RELAY_BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/",
+                "RELAY_EXCHANGE": rabbit.exchange,
+                "RELAY_POLL_INTERVAL": "5",
+                "RELAY_BACKOFF_MIN": "0.2",
+                "RELAY_BACKOFF_MAX": "1",
+                "PYTHONUNBUFFERED": "1",
+                **(env or {}),
+            }
+        )
+        out_port, in_port = free_port(), free_port()
+        outbox = RelayProcess(
+            ["outbox", "--http-port", str(out_port), *extra], base, tmp_path / "outbox.log"
+        )
+        inbox = RelayProcess(
+            [
+                "inbox",
+                "--queue",
+                queue,
+                "--bind",
+                "managed.#",
+                "--handlers",
+                "tests.apps.handlers:registry",
+                "--http-port",
+                str(in_port),
+                *extra,
+            ],
+            base,
+            tmp_path / "inbox.log",
+        )
+        outbox.port, inbox.port = out_port, in_port  # type: ignore[attr-defined]
+        started.extend([outbox, inbox])
+        outbox.wait_for_log("outbox relay started", timeout=60)
+        inbox.wait_for_log("inbox started", timeout=60)
+        return outbox, inbox
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def alive(*procs: RelayProcess) -> None:
+    for proc in procs:
+        assert proc.proc.poll() is None, f"relay {proc.args[0]} exited:\n{proc.log[-3000:]}"
+
+
+def apply_schema(database_url: str, env: dict[str, str] | None = None) -> None:
+    import os
+
+    done = subprocess.run(
+        [*RELAY, "schema", "apply", "--database-url", database_url],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# --------------------------------------------------------------------------
+# The read-only endpoint, on the shared server
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_both_daemons_ride_out_a_read_only_endpoint_and_recover_on_new_sessions(
+    database, engine, daemons
+):
+    """A managed failover's first seconds: the endpoint answers read only.
+    Simulated with the database's default_transaction_read_only and relay's
+    sessions ended; the setting is reset while the read-only sessions relay
+    opened meanwhile are still open: relay must drop them, not retry on them."""
+    from tests.conftest import rows
+
+    rows(engine, EFFECTS_DDL)
+    libpq = database.replace("postgresql+psycopg://", "postgresql://")
+    dbname = libpq.rsplit("/", 1)[1]
+    outbox, inbox = daemons(database)
+    admin = psycopg.connect(libpq.rsplit("/", 1)[0] + "/postgres", autocommit=True)
+    with Producer(libpq) as producer:
+        wait_until(lambda: producer.sent > 100, timeout=30, message="rows produced")
+        admin.execute(f'ALTER DATABASE "{dbname}" SET default_transaction_read_only = on')
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND application_name = 'relay'",
+            (dbname,),
+        )
+        for proc in (outbox, inbox):
+            _, body = wait_until(
+                lambda p=proc: (
+                    (s := http_get(p.port, "/readyz"))[0] == 503 and "read only" in s[1] and s
+                ),
+                timeout=30,
+                message=f"{proc.args[0]} not ready, read only",
+            )
+            assert "read only" in body
+        # relay has read-only sessions open now; the endpoint takes writes again.
+        time.sleep(2)
+        read_only_sessions = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s "
+            "AND application_name = 'relay'",
+            (dbname,),
+        ).fetchone()[0]
+        admin.execute(f'ALTER DATABASE "{dbname}" RESET default_transaction_read_only')
+        time.sleep(1)
+    found = wait_until(all_done(libpq), timeout=60, message="every row published and handled")
+    alive(outbox, inbox)
+    assert_clean(found)
+    assert read_only_sessions > 0
+    for proc in (outbox, inbox):
+        wait_until(lambda p=proc: http_get(p.port, "/readyz")[0] == 200, timeout=30)
+        assert "crashed" not in proc.log and "Traceback" not in proc.log, proc.log[-3000:]
+        waits = [line for line in proc.log.splitlines() if "read-only transaction" in line]
+        assert waits, proc.log[-3000:]
+    admin.close()
+
+
+# --------------------------------------------------------------------------
+# Configuration that cannot work exits 2 at start
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "said"),
+    [
+        ("sslmode=bogus", "unknown sslmode 'bogus'"),
+        ("sslmode=verify-full&sslrootcert=/nonexistent/ca.crt", "sslrootcert"),
+        ("sslmode=require&sslcert=/nonexistent/c.crt", "sslcert"),
+        ("target_session_attrs=writer", "target_session_attrs"),
+    ],
+)
+def test_a_tls_setting_that_cannot_work_exits_2_with_one_line(database, run_relay, query, said):
+    for command in (["outbox"], ["inbox", "--queue", "q"], ["status"]):
+        done = run_relay(*command, env={"RELAY_DATABASE_URL": f"{database}?{query}"}, timeout=30)
+        assert done.returncode == 2, (command, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], done.stderr
+
+
+def test_a_multi_host_url_reaches_the_host_that_takes_writes(database, run_relay):
+    dead = free_port()
+    url = database.replace("127.0.0.1:5432", f"127.0.0.1:{dead},127.0.0.1:5432")
+    done = run_relay("status", "--json", env={"RELAY_DATABASE_URL": url})
+    assert done.returncode == 0, done.stderr
+    assert '"outbox"' in done.stdout
+
+
+def test_a_password_command_that_fails_is_waited_out_like_an_unreachable_database(
+    database, start_relay, tmp_path
+):
+    flag = tmp_path / "ready"
+    command = f"test -e {flag} && echo unused"
+    proc = start_relay("outbox", "--database-password-command", command)
+    proc.wait_for_log("--database-password-command exited 1", timeout=30)
+    assert proc.proc.poll() is None
+    flag.touch()  # trust authentication: any password is taken
+    proc.wait_for_log("outbox relay started", timeout=30)
+
+
+# --------------------------------------------------------------------------
+# A server of our own: passwords, TLS
+# --------------------------------------------------------------------------
+
+
+class Secured:
+    """A server with TLS on (a CA of the test's own, a certificate for
+    localhost) and a role `app` that logs in with a password."""
+
+    def __init__(self, server: Cluster, certs: Certificates) -> None:
+        self.server = server
+        self.certs = certs
+        self.password = "first-password"
+        self.password_file = server.base / "password"
+        self.set_password(self.password)
+
+    def set_password(self, password: str) -> None:
+        self.password = password
+        self.password_file.write_text(password + "\n")
+        with contextlib.suppress(psycopg.Error):
+            self.server.execute(f"ALTER ROLE app PASSWORD '{password}'")
+
+    def database(self) -> str:
+        """A new database owned by `app`, with relay's schema and the effects table."""
+        name = f"managed_{uuid.uuid4().hex[:10]}"
+        self.server.execute(f'CREATE DATABASE "{name}" OWNER app')
+        url = self.url(name, password=True)
+        apply_schema(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(EFFECTS_DDL)
+        return name
+
+    def url(
+        self, dbname: str, *, password: bool = False, host: str = "127.0.0.1", **params: str
+    ) -> str:
+        user = f"app:{self.password}" if password else "app"
+        query = "&".join(f"{k}={v}" for k, v in params.items())
+        return f"postgresql://{user}@{host}:{self.server.port}/{dbname}" + (
+            f"?{query}" if query else ""
+        )
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[Secured]:
+    base = own_directory("relay-certs-")
+    certs = Certificates(base)
+    cert, key = certs.issue("server", dns="localhost")
+    with cluster("relay-secured-", password_encryption="'scram-sha-256'") as server:
+        for source, name in ((cert, "server.crt"), (key, "server.key"), (certs.ca, "root.crt")):
+            target = server.data / name
+            shutil.copy(source, target)
+            shutil.chown(target, "postgres", "postgres")
+            target.chmod(0o600)
+        server.configure(
+            {"ssl": "on", "ssl_cert_file": "'server.crt'", "ssl_key_file": "'server.key'"}
+        )
+        server.execute("SELECT pg_reload_conf()")
+        server.execute("CREATE ROLE app LOGIN")
+        yield Secured(server, certs)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@OWN_SERVER_TESTS
+@pytest.mark.timeout(240)
+async def test_rotating_passwords_lose_nothing(secured, daemons, tmp_path):
+    """The role's password changes every 2 s and relay's sessions are ended:
+    relay runs the password command again after the refusal, and goes on."""
+    name = secured.database()
+    command = f"cat {secured.password_file}"
+    outbox, inbox = daemons(secured.url(name), "--database-password-command", command)
+    rotations = 0
+    # The producer logs in as postgres (trust): only relay's credentials rotate.
+    with Producer(secured.server.url(name), keys=4) as producer:
+        wait_until(lambda: producer.sent > 50, timeout=30, message="rows produced")
+        for _ in range(5):
+            time.sleep(2)
+            secured.set_password(f"password-{uuid.uuid4().hex[:8]}")
+            rotations += 1
+            secured.server.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'app'"
+            )
+    found = wait_until(
+        all_done(secured.server.url(name)), timeout=90, message="every row published and handled"
+    )
+    alive(outbox, inbox)
+    assert_clean(found)
+    assert rotations == 5
+    assert (
+        "password authentication failed" in outbox.log + inbox.log
+    )  # it was refused, and recovered
+
+
+@OWN_SERVER_TESTS
+@pytest.mark.timeout(180)
+async def test_both_daemons_work_over_verified_tls_listen_included(secured, daemons):
+    name = secured.database()
+    url = secured.url(
+        name,
+        password=True,
+        host="localhost",
+        sslmode="verify-full",
+        sslrootcert=str(secured.certs.ca),
+    )
+    # A long poll: a row published within a few seconds came by LISTEN's wake-up.
+    outbox, inbox = daemons(url, env={"RELAY_POLL_INTERVAL": "60"})
+    time.sleep(2)
+    started = time.monotonic()
+    with psycopg.connect(secured.server.url(name), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (topic, key, type, payload) "
+            "SELECT %s, 'k' || (i %% 3), 'Effect', jsonb_build_object('n', i) "
+            "FROM generate_series(1, 20) i",
+            (TOPIC,),
+        )
+    found = wait_until(all_done(secured.server.url(name)), timeout=30, message="handled")
+    assert time.monotonic() - started < 15
+    assert_clean(found)
+    sessions = secured.server.execute(
+        "SELECT a.backend_type, s.ssl, a.query "
+        "FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) "
+        f"WHERE a.datname = '{name}' AND a.application_name = 'relay'"
+    )
+    assert sessions and all(ssl for _, ssl, _ in sessions), sessions
+    assert any(query.startswith("LISTEN") for _, _, query in sessions), sessions
+    alive(outbox, inbox)
+
+
+@OWN_SERVER_TESTS
+@pytest.mark.parametrize("fault", ["wrong CA", "wrong host name"])
+def test_a_certificate_that_does_not_verify_exits_2_at_start(secured, run_relay, tmp_path, fault):
+    name = secured.database()
+    if fault == "wrong CA":
+        other = Certificates(tmp_path, "other-ca")
+        url = secured.url(
+            name, password=True, host="localhost", sslmode="verify-full", sslrootcert=str(other.ca)
+        )
+    else:  # the certificate names localhost, not 127.0.0.1
+        url = secured.url(
+            name,
+            password=True,
+            host="127.0.0.1",
+            sslmode="verify-full",
+            sslrootcert=str(secured.certs.ca),
+        )
+    for command in (["outbox"], ["inbox", "--queue", f"q{uuid.uuid4().hex[:6]}"]):
+        started = time.monotonic()
+        done = run_relay(*command, env={"RELAY_DATABASE_URL": url}, timeout=60)
+        assert done.returncode == 2, (command, done.stderr)
+        assert time.monotonic() - started < 30
+        last = done.stderr.strip().splitlines()[-1]
+        assert "TLS failed" in last and "certificate" in last, done.stderr
+        assert "Traceback" not in done.stderr
