@@ -152,13 +152,17 @@ class Cluster:
             "stream",
             "--checkpoint=fast",
         )
-        other.configure(
-            {
-                "port": str(other.port),
-                "primary_conninfo": f"'host=127.0.0.1 port={self.port} user=postgres "
-                f"application_name={name}'",
-            }
-        )
+        other.configure({"port": str(other.port)})
+        # pg_basebackup -R wrote a primary_conninfo to postgresql.auto.conf,
+        # which is read last: the standby's name for synchronous_standby_names
+        # goes there.
+        with (other.data / "postgresql.auto.conf").open("a") as conf:
+            conf.write(
+                f"primary_conninfo = 'host=127.0.0.1 port={self.port} user=postgres "
+                f"application_name={name}'\n"
+                # Promoted, it has no standby of its own to wait for.
+                "synchronous_standby_names = ''\n"
+            )
         other.start()
         return other
 

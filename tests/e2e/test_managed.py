@@ -480,3 +480,97 @@ def test_a_certificate_that_does_not_verify_exits_2_at_start(secured, run_relay,
         last = done.stderr.strip().splitlines()[-1]
         assert "TLS failed" in last and "certificate" in last, done.stderr
         assert "Traceback" not in done.stderr
+
+
+# --------------------------------------------------------------------------
+# A real failover: a primary, a synchronous standby, the primary stopped hard
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def primary_and_standby() -> Iterator[tuple[Cluster, Cluster]]:
+    """A primary with a streaming standby that it waits for at each commit
+    (synchronous_commit on): nothing committed is lost when it fails over."""
+    with cluster(
+        "relay-failover-",
+        synchronous_standby_names="'standby'",
+        wal_keep_size="'256MB'",
+    ) as primary:
+        standby = primary.standby("standby")
+        try:
+            wait_until(
+                lambda: primary.execute(
+                    "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
+                )[0][0],
+                timeout=60,
+                message="the standby streaming synchronously",
+            )
+            yield primary, standby
+        finally:
+            standby.stop("immediate")
+
+
+def first_after(conninfo: str, column: str, table: str, since: float) -> float | None:
+    """The earliest `column` (a timestamptz) of `table` after the epoch `since`."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        row = conn.execute(
+            f"SELECT extract(epoch FROM min({column})) FROM {table} "  # noqa: S608 - constants
+            f"WHERE {column} > to_timestamp(%s)",
+            (since,),
+        ).fetchone()
+    return float(row[0]) if row and row[0] is not None else None
+
+
+@OWN_SERVER_TESTS
+@pytest.mark.timeout(300)
+async def test_a_failover_to_the_standby_loses_nothing_and_both_daemons_stay_up(
+    primary_and_standby, daemons
+):
+    primary, standby = primary_and_standby
+    name = f"failover_{uuid.uuid4().hex[:8]}"
+    primary.execute(f'CREATE DATABASE "{name}"')
+    apply_schema(primary.url(name))
+    primary.execute(EFFECTS_DDL, name)
+    hosts = f"127.0.0.1:{primary.port},127.0.0.1:{standby.port}"
+    url = f"postgresql://postgres@{hosts}/{name}?target_session_attrs=read-write"
+    outbox, inbox = daemons(url)
+    with Producer(url) as producer:
+        wait_until(lambda: producer.sent > 300, timeout=60, message="rows produced")
+        fault = time.time()
+        primary.stop("immediate")  # the writer is gone, as a host failure takes it
+        time.sleep(1)  # the managed service notices, then promotes
+        standby.promote()
+        standby.wait_writable()
+        promoted = time.time()
+        sent_at_promotion = producer.sent
+        wait_until(
+            lambda: producer.sent > sent_at_promotion + 200, timeout=60, message="rows produced"
+        )
+    writer = standby.url(name)
+    found = wait_until(all_done(writer), timeout=90, message="every row published and handled")
+    alive(outbox, inbox)
+    assert_clean(found)
+    published = first_after(writer, "published_at", "outbox", fault)
+    processed = first_after(writer, "processed_at", "inbox", fault)
+    assert published is not None and processed is not None
+    print(
+        f"\nfailover: promoted {promoted - fault:.1f}s after the fault; first publish "
+        f"{published - fault:.1f}s and first processed message {processed - fault:.1f}s "
+        f"after it; {found['rows']} rows, producer failures {producer.failures}",
+        flush=True,
+    )
+    # LISTEN follows the writer: a row on the new primary wakes the outbox
+    # well before its 5 s poll (and the inbox's, the same).
+    time.sleep(1)
+    with psycopg.connect(writer, autocommit=True) as conn:
+        started = time.monotonic()
+        conn.execute(
+            "INSERT INTO outbox (topic, key, type, payload) "
+            "VALUES (%s, 'after', 'Effect', '{\"n\": 0}')",
+            (TOPIC,),
+        )
+    wait_until(all_done(writer), timeout=30, message="the row after the failover")
+    woke = time.monotonic() - started
+    assert woke < 4, f"{woke:.1f}s: not woken by LISTEN on the new primary"
+    for proc in (outbox, inbox):
+        assert "crashed" not in proc.log and "Traceback" not in proc.log, proc.log[-3000:]
