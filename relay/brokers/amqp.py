@@ -85,14 +85,27 @@ async def _connect_one(url: str) -> AbstractConnection:
         return await aio_pika.connect(url, timeout=CONNECT_TIMEOUT)
     except aiormq.exceptions.ProbableAuthenticationError as exc:
         raise BrokerUnavailable(f"RabbitMQ at {redact_url(url)} refused the login: {exc}") from exc
-    except ssl.SSLError as exc:
-        reason = getattr(exc, "verify_message", None) or exc.reason or str(exc)
-        raise _TLSRefused(
-            f"RabbitMQ at {redact_url(url)}: TLS failed: {reason} (check ?cafile=, the "
-            "server's certificate and the host name in the URL)"
-        ) from exc
-    except _CONNECTION_ERRORS as exc:
+    except (ssl.SSLError, *_CONNECTION_ERRORS) as exc:
+        refusal = _tls_error(exc)
+        if refusal is not None:
+            reason = getattr(refusal, "verify_message", None) or refusal.reason or str(refusal)
+            raise _TLSRefused(
+                f"RabbitMQ at {redact_url(url)}: TLS failed: {reason} (check ?cafile=, the "
+                "server's certificate and the host name in the URL)"
+            ) from exc
         raise _unavailable(exc, url) from exc
+
+
+def _tls_error(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind `exc` (aiormq raises its own error from it)."""
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 async def _connect(

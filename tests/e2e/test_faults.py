@@ -176,6 +176,7 @@ FAULTS = (
     "refuse_broker",  # RabbitMQ refuses connections for RELAY_FAULT_REFUSE_SECONDS
     "terminate_backends",  # pg_terminate_backend of relay's backends mid-batch
     "cut_database",  # every database connection cut at the proxy
+    "read_only",  # the database answers read only (a failover's first seconds), then not
     "race_outbox",  # a second outbox relay; every message of the round on one key
     "slow_handler",  # handlers slower than the poll, with a second inbox racing
 )
@@ -222,6 +223,14 @@ class Suite:
         tap: Any,
     ) -> None:
         self.engine = engine
+
+        @sa.event.listens_for(engine, "connect")
+        def writable(dbapi_connection: Any, record: Any) -> None:
+            # The read_only fault is relay's: the producer's sessions write.
+            with dbapi_connection.cursor() as cursor:
+                cursor.execute("SET default_transaction_read_only = off")
+            dbapi_connection.commit()
+
         self.tap = tap  # a queue that gets a copy of everything published
         self.tap_seen: dict[int, set[str]] = {}  # message ids per round
         self.tap_copies: dict[int, int] = {}  # copies beyond the first, per round
@@ -415,6 +424,18 @@ class Suite:
             self.pg.stop()
             await asyncio.sleep(rng.uniform(0, 1))
             self.pg.start()
+        elif fault == "read_only":
+            # New sessions (relay's, once its own are ended) are read only;
+            # the setting is reset while those sessions are still open.
+            name = self.engine.url.database
+            rows(self.engine, f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+            rows(
+                self.engine,
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = 'relay'",
+            )
+            await asyncio.sleep(rng.uniform(1, 3))
+            rows(self.engine, f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
         # race_outbox and slow_handler act through the round's set-up.
 
     async def play(self, round_: int, fault: str) -> None:
@@ -518,6 +539,16 @@ class Suite:
         )[0]
         if any(stuck):
             t.problems.append(f"round {round_}: rows not finished (outbox, inbox): {stuck}")
+        if fault == "read_only":
+            # A database that cannot take writes is away: no attempt counted.
+            attempts = rows(
+                self.engine,
+                "SELECT (SELECT coalesce(sum(attempts), 0) FROM outbox WHERE key LIKE :p), "
+                "(SELECT coalesce(sum(attempts), 0) FROM inbox WHERE key LIKE :p)",
+                p=p,
+            )[0]
+            if any(attempts):
+                t.problems.append(f"round {round_}: attempts counted (outbox, inbox): {attempts}")
 
     async def drain_tap(self, round_: int) -> int:
         """Copies of this round's messages published more than once."""

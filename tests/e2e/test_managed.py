@@ -574,3 +574,110 @@ async def test_a_failover_to_the_standby_loses_nothing_and_both_daemons_stay_up(
     assert woke < 4, f"{woke:.1f}s: not woken by LISTEN on the new primary"
     for proc in (outbox, inbox):
         assert "crashed" not in proc.log and "Traceback" not in proc.log, proc.log[-3000:]
+
+
+# --------------------------------------------------------------------------
+# RabbitMQ over TLS: a node of our own with a TLS listener
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_node() -> Iterator[Any]:
+    """A RabbitMQ node whose TLS listener has a certificate for localhost
+    from a CA of the test's own, and asks clients for a certificate of that CA."""
+    from tests.brokers.test_rabbit import OwnNode, own_node
+
+    own_node.__wrapped__  # noqa: B018 - the same requirements (rabbitmq-server, root)
+    node = OwnNode()
+    certs = Certificates(node.base)
+    server_cert, server_key = certs.issue("server", dns="localhost")
+    client_cert, client_key = certs.issue("client", dns="relay-client")
+    node.tls_port = free_port()  # type: ignore[attr-defined]
+    (node.base / "rabbitmq.conf").write_text(
+        f"listeners.ssl.default = {node.tls_port}\n"  # type: ignore[attr-defined]
+        f"ssl_options.cacertfile = {certs.ca}\n"
+        f"ssl_options.certfile = {server_cert}\n"
+        f"ssl_options.keyfile = {server_key}\n"
+        "ssl_options.verify = verify_peer\n"
+        "ssl_options.fail_if_no_peer_cert = true\n"
+    )
+    for path in node.base.iterdir():
+        shutil.chown(path, "rabbitmq", "rabbitmq")
+    node.certs, node.client = certs, (client_cert, client_key)  # type: ignore[attr-defined]
+    try:
+        node.start()
+        wait_until(
+            lambda: _answers(node.tls_port),  # type: ignore[attr-defined]
+            timeout=60,
+            message="the TLS listener",
+        )
+        yield node
+    finally:
+        node.stop()
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with contextlib.suppress(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    return False
+
+
+def amqps_url(node: Any, *, host: str = "localhost", ca: Path | None = None) -> str:
+    cert, key = node.client
+    return (
+        f"amqps://guest:guest@{host}:{node.tls_port}/?cafile={ca or node.certs.ca}"
+        f"&certfile={cert}&keyfile={key}"
+    )
+
+
+@OWN_SERVER_TESTS
+@pytest.mark.timeout(180)
+async def test_both_daemons_work_over_amqps_with_verification_and_a_client_certificate(
+    tls_node, database, engine, daemons
+):
+    from tests.conftest import rows
+
+    rows(engine, EFFECTS_DDL)
+    outbox, inbox = daemons(database, env={"RELAY_BROKER_URL": amqps_url(tls_node)})
+    rows(
+        engine,
+        "INSERT INTO outbox (topic, key, type, payload) "
+        "SELECT :t, 'k' || (i % 3), 'Effect', jsonb_build_object('n', i) "
+        "FROM generate_series(1, 50) i",
+        t=TOPIC,
+    )
+    libpq = database.replace("postgresql+psycopg://", "postgresql://")
+    found = wait_until(all_done(libpq), timeout=60, message="handled over amqps")
+    assert_clean(found)
+    alive(outbox, inbox)
+    assert "amqps://" in outbox.log  # it says where it connected, without the password
+    assert "guest:guest" not in outbox.log + inbox.log
+
+
+@OWN_SERVER_TESTS
+@pytest.mark.parametrize("fault", ["wrong CA", "wrong host name"])
+def test_an_amqps_certificate_that_does_not_verify_exits_2_at_start(
+    tls_node, database, run_relay, tmp_path, fault
+):
+    if fault == "wrong CA":
+        url = amqps_url(tls_node, ca=Certificates(tmp_path, "other-ca").ca)
+    else:  # the node's certificate names localhost, not 127.0.0.1
+        url = amqps_url(tls_node, host="127.0.0.1")
+    for command in (["outbox"], ["inbox", "--queue", f"q{uuid.uuid4().hex[:6]}"]):
+        done = run_relay(*command, env={"RELAY_BROKER_URL": url}, timeout=60)
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        last = done.stderr.strip().splitlines()[-1]
+        assert "TLS failed" in last and "certificate" in last.lower(), done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+
+
+def test_an_amqps_url_whose_files_are_missing_exits_2(run_relay):
+    done = run_relay(
+        "outbox", env={"RELAY_BROKER_URL": "amqps://u:p@localhost:5671/?cafile=/nonexistent/ca"}
+    )
+    assert done.returncode == 2
+    assert "cafile '/nonexistent/ca': no such file" in done.stderr
+    assert ":p@" not in done.stderr
