@@ -37,7 +37,7 @@ EXIT_SIGNAL = 130  # a second SIGTERM/SIGINT: exited at once
 # A main loop that has not finished a unit of work for this long (plus the
 # service's own allowance) while its servers answer is stuck: /healthz turns
 # 503 and the systemd watchdog stops being fed. Above the longest wait a
-# healthy loop can be in: a publisher confirm (60 s) or a reconnect backoff (30 s).
+# healthy loop can be in: a publisher confirm (60 s) or a reconnect backoff (5 s).
 STALL_AFTER = 120.0
 # Probes answer within this, below the usual probe timeouts (Kubernetes: 1 s
 # by default, 3 s in examples/kubernetes); a check that takes longer fails.

@@ -147,6 +147,17 @@ def all_done(conninfo: str) -> Callable[[], Any]:
     return check
 
 
+def first_after(conninfo: str, column: str, table: str, since: float) -> float | None:
+    """The earliest `column` (a timestamptz) of `table` after the epoch `since`."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        row = conn.execute(
+            f"SELECT extract(epoch FROM min({column})) FROM {table} "  # noqa: S608 - constants
+            f"WHERE {column} > to_timestamp(%s)",
+            (since,),
+        ).fetchone()
+    return float(row[0]) if row and row[0] is not None else None
+
+
 def assert_clean(found: dict[str, Any]) -> None:
     assert found["unpublished"] == found["unprocessed"] == 0, found
     assert found["outbox_attempts"] == found["inbox_attempts"] == 0, found
@@ -273,8 +284,17 @@ async def test_both_daemons_ride_out_a_read_only_endpoint_and_recover_on_new_ses
             (dbname,),
         ).fetchone()[0]
         admin.execute(f'ALTER DATABASE "{dbname}" RESET default_transaction_read_only')
+        reset = time.time()
         time.sleep(1)
     found = wait_until(all_done(libpq), timeout=60, message="every row published and handled")
+    published = first_after(libpq, "published_at", "outbox", reset)
+    processed = first_after(libpq, "processed_at", "inbox", reset)
+    assert published is not None and processed is not None
+    print(
+        f"\nread-only endpoint: first publish {published - reset:.1f}s and first processed "
+        f"message {processed - reset:.1f}s after the endpoint took writes again",
+        flush=True,
+    )
     alive(outbox, inbox)
     assert_clean(found)
     assert read_only_sessions > 0
@@ -510,17 +530,6 @@ def primary_and_standby() -> Iterator[tuple[Cluster, Cluster]]:
             standby.stop("immediate")
 
 
-def first_after(conninfo: str, column: str, table: str, since: float) -> float | None:
-    """The earliest `column` (a timestamptz) of `table` after the epoch `since`."""
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        row = conn.execute(
-            f"SELECT extract(epoch FROM min({column})) FROM {table} "  # noqa: S608 - constants
-            f"WHERE {column} > to_timestamp(%s)",
-            (since,),
-        ).fetchone()
-    return float(row[0]) if row and row[0] is not None else None
-
-
 @OWN_SERVER_TESTS
 @pytest.mark.timeout(300)
 async def test_a_failover_to_the_standby_loses_nothing_and_both_daemons_stay_up(
@@ -550,13 +559,14 @@ async def test_a_failover_to_the_standby_loses_nothing_and_both_daemons_stay_up(
     found = wait_until(all_done(writer), timeout=90, message="every row published and handled")
     alive(outbox, inbox)
     assert_clean(found)
-    published = first_after(writer, "published_at", "outbox", fault)
-    processed = first_after(writer, "processed_at", "inbox", fault)
+    # The times are the new primary's now(): when each batch's transaction began.
+    published = first_after(writer, "published_at", "outbox", promoted)
+    processed = first_after(writer, "processed_at", "inbox", promoted)
     assert published is not None and processed is not None
     print(
-        f"\nfailover: promoted {promoted - fault:.1f}s after the fault; first publish "
-        f"{published - fault:.1f}s and first processed message {processed - fault:.1f}s "
-        f"after it; {found['rows']} rows, producer failures {producer.failures}",
+        f"\nfailover: promoted {promoted - fault:.1f}s after the fault; the first batch "
+        f"published {published - fault:.1f}s and the first processed {processed - fault:.1f}s "
+        f"after the fault; {found['rows']} rows, producer failures {producer.failures}",
         flush=True,
     )
     # LISTEN follows the writer: a row on the new primary wakes the outbox
@@ -681,3 +691,28 @@ def test_an_amqps_url_whose_files_are_missing_exits_2(run_relay):
     assert done.returncode == 2
     assert "cafile '/nonexistent/ca': no such file" in done.stderr
     assert ":p@" not in done.stderr
+
+
+def test_the_dead_message_commands_say_a_read_only_database_is_unavailable(
+    database, engine, run_relay
+):
+    from tests.conftest import rows
+
+    name = engine.url.database
+    rows(engine, "INSERT INTO outbox (topic, payload, status) VALUES ('t', '{}', 'dead')")
+    rows(engine, f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    try:
+        for command in (
+            ["dead", "retry", "--all"],
+            ["dead", "discard", "--all"],
+            ["retry", "outbox", "--all-dead"],
+        ):
+            done = run_relay(*command)
+            assert done.returncode == 1, (command, done.stderr)
+            [line] = done.stderr.strip().splitlines()
+            assert line.startswith("relay: error: database unavailable") and "read-only" in line
+    finally:
+        rows(engine, f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+    assert rows(engine, "SELECT status FROM outbox") == [("dead",)]
+    assert run_relay("dead", "retry", "--all").returncode == 0
+    assert rows(engine, "SELECT status FROM outbox") == [("pending",)]
