@@ -427,3 +427,27 @@ async def test_a_handler_that_swallows_a_database_error_fails_its_row_only(
     assert "left its transaction aborted" in error
     assert ran == (["a", "s", "a", "c"] if attempts == 0 else ["a", "s", "c"])
     assert reruns == (1 if attempts == 0 else 0)
+
+
+async def test_a_handler_whose_statement_meets_a_read_only_database_did_not_fail(
+    effects, loop_urls
+):
+    # The answer of a failing-over database (25006) inside a handler is the
+    # database's, not the handler's: no attempt, no last_error; the row runs
+    # again on a new connection once the database takes writes.
+    registry = relay.HandlerRegistry()
+    runs: list[int] = []
+
+    @registry.handler("Write")
+    def write(message: relay.Message, conn: sa.Connection) -> None:
+        runs.append(message.attempts)
+        if len(runs) == 1:  # as if the server turned read only under the handler
+            conn.execute(sa.text("SET transaction_read_only = on"))
+        conn.execute(_INSERT_EFFECT, {"m": message.id})
+
+    async with LoopInbox(loop_urls, registry) as inbox:
+        inbox.send(message_id="ro-1", type="Write")
+        await inbox.until(lambda: state_of(effects, "ro-1") == "processed")
+    assert effect_ids(effects) == ["ro-1"]
+    assert rows(effects, "SELECT attempts, last_error FROM inbox") == [(0, None)]
+    assert runs == [0, 0]
