@@ -10,12 +10,11 @@ message's effect once, nothing dead, no attempt counted, both daemons up.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,20 +24,11 @@ import psycopg
 import pytest
 
 from tests.apps.handlers import EFFECTS_DDL
+from tests.brokers.test_rabbit import http_get
 from tests.conftest import RELAY, REPO, RelayProcess, free_port, wait_until
 from tests.pgcluster import OWN_SERVER_TESTS, Certificates, Cluster, cluster, own_directory
 
 TOPIC = "managed.e"
-
-
-def http_get(port: int, path: str) -> tuple[int | None, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return None, ""
 
 
 class Producer:
@@ -169,8 +159,6 @@ def assert_clean(found: dict[str, Any]) -> None:
 def daemons(rabbit: Any, tmp_path: Path) -> Iterator[Callable[..., tuple[RelayProcess, ...]]]:
     """Start `relay outbox` and `relay inbox` (the test handlers) on a database
     URL and the shared RabbitMQ, with HTTP probes; stopped after the test."""
-    import os
-
     started: list[RelayProcess] = []
     queue = f"{rabbit.exchange}.in"
     rabbit.queues.append(queue)
@@ -226,8 +214,6 @@ def alive(*procs: RelayProcess) -> None:
 
 
 def apply_schema(database_url: str, env: dict[str, str] | None = None) -> None:
-    import os
-
     done = subprocess.run(
         [*RELAY, "schema", "apply", "--database-url", database_url],
         capture_output=True,
@@ -389,6 +375,16 @@ class Secured:
             f"?{query}" if query else ""
         )
 
+    def tls_url(self, dbname: str, *, host: str = "localhost", ca: Path | None = None) -> str:
+        """The URL with the password, verifying the server's certificate."""
+        return self.url(
+            dbname,
+            password=True,
+            host=host,
+            sslmode="verify-full",
+            sslrootcert=str(ca or self.certs.ca),
+        )
+
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[Secured]:
@@ -444,13 +440,7 @@ async def test_rotating_passwords_lose_nothing(secured, daemons, tmp_path):
 @pytest.mark.timeout(180)
 async def test_both_daemons_work_over_verified_tls_listen_included(secured, daemons):
     name = secured.database()
-    url = secured.url(
-        name,
-        password=True,
-        host="localhost",
-        sslmode="verify-full",
-        sslrootcert=str(secured.certs.ca),
-    )
+    url = secured.tls_url(name)
     # A long poll: a row published within a few seconds came by LISTEN's wake-up.
     outbox, inbox = daemons(url, env={"RELAY_POLL_INTERVAL": "60"})
     time.sleep(2)
@@ -480,18 +470,9 @@ async def test_both_daemons_work_over_verified_tls_listen_included(secured, daem
 def test_a_certificate_that_does_not_verify_exits_2_at_start(secured, run_relay, tmp_path, fault):
     name = secured.database()
     if fault == "wrong CA":
-        other = Certificates(tmp_path, "other-ca")
-        url = secured.url(
-            name, password=True, host="localhost", sslmode="verify-full", sslrootcert=str(other.ca)
-        )
+        url = secured.tls_url(name, ca=Certificates(tmp_path, "other-ca").ca)
     else:  # the certificate names localhost, not 127.0.0.1
-        url = secured.url(
-            name,
-            password=True,
-            host="127.0.0.1",
-            sslmode="verify-full",
-            sslrootcert=str(secured.certs.ca),
-        )
+        url = secured.tls_url(name, host="127.0.0.1")
     for command in (["outbox"], ["inbox", "--queue", f"q{uuid.uuid4().hex[:6]}"]):
         started = time.monotonic()
         done = run_relay(*command, env={"RELAY_DATABASE_URL": url}, timeout=60)
@@ -595,9 +576,10 @@ async def test_a_failover_to_the_standby_loses_nothing_and_both_daemons_stay_up(
 def tls_node() -> Iterator[Any]:
     """A RabbitMQ node whose TLS listener has a certificate for localhost
     from a CA of the test's own, and asks clients for a certificate of that CA."""
-    from tests.brokers.test_rabbit import OwnNode, own_node
+    from tests.brokers.test_rabbit import OwnNode
 
-    own_node.__wrapped__  # noqa: B018 - the same requirements (rabbitmq-server, root)
+    if shutil.which("rabbitmq-server") is None or os.geteuid() != 0:
+        pytest.fail("a RabbitMQ node of the tests' own needs rabbitmq-server and root")
     node = OwnNode()
     certs = Certificates(node.base)
     server_cert, server_key = certs.issue("server", dns="localhost")
