@@ -313,4 +313,4 @@ def test_a_database_url_with_a_bad_port_exits_2_with_one_line():
     )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "Port could not be cast" in result.stderr and SECRET not in result.stderr
+    assert "bad port 'abc'" in result.stderr and SECRET not in result.stderr
