@@ -92,7 +92,9 @@ class Producer:
 def effect_check(conninfo: str) -> dict[str, Any]:
     """Every outbox row published and handled once, in order per key, and
     nothing dead or counted as an attempt, in either table."""
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+    with psycopg.connect(conninfo) as conn, conn.transaction():
+        # One snapshot for every count: the daemons go on meanwhile.
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         outbox = conn.execute(
             "SELECT count(*), count(*) FILTER (WHERE status <> 'published'), "
             "coalesce(sum(attempts), 0) FROM outbox"
@@ -130,7 +132,9 @@ def all_done(conninfo: str) -> Callable[[], Any]:
     def check() -> Any:
         with contextlib.suppress(psycopg.Error):
             found = effect_check(conninfo)
-            if found["rows"] and not found["unpublished"] and not found["missing_effects"]:
+            if found["rows"] and not (
+                found["unpublished"] or found["unprocessed"] or found["missing_effects"]
+            ):
                 return found
         return None
 
