@@ -203,7 +203,9 @@ class Dispatcher:
         failed: list[tuple[InboxRow, Failure, float]] = []
         failed_keys: set[str] = set()
         known: dict[int, Failure] = {}  # failures rolled back, by position in rows
-        split: set[int] = set()  # batch units that failed whole, by index in units
+        # Batch units that failed whole, by index in units: when their first
+        # call started and its span (each message's span links to it too).
+        split: dict[int, tuple[int, dict[str, list[Any]]]] = {}
         units = (
             batches.plan(rows, self.max_sizes)
             if self.max_sizes
@@ -243,15 +245,9 @@ class Dispatcher:
                     continue
                 if careful or index in split:
                     done, failures = self._run_in_parts(
-                        conn,
-                        async_conn,
-                        savepoints,
-                        pid,
-                        batch,
-                        members,
-                        index in split,
-                        failed_keys,
-                    )
+                        conn, async_conn, savepoints, pid, batch, members, failed_keys,
+                        split.get(index),
+                    )  # fmt: skip
                     processed.extend(done)
                     failed.extend(failures)
                     continue
@@ -265,7 +261,7 @@ class Dispatcher:
                     processed.extend(row.message_id for row, _ in members)
                     self._batch_spans(started, links, members, [])
                     continue
-                split.add(index)  # on the careful run, it starts from halves
+                split[index] = (started, links)  # on the careful run, it starts from halves
             else:
                 position, row = unit[0], rows[unit[0]]
                 fast_failure = False
@@ -333,16 +329,16 @@ class Dispatcher:
         pid: int | None,
         batch: tuple[BatchHandler, bool, int],
         members: list[tuple[InboxRow, Message]],
-        split: bool,
         failed_keys: set[str],
+        split: tuple[int, dict[str, list[Any]]] | None,
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]]]:
         """Run a batch handler's unit carefully: each part in a savepoint of
         its own, a part that fails again as halves, down to single messages
         (relay.batches.run_in_parts). Messages that failed before run alone
         from the start: they are likely to fail again. Returns the ids of
-        the messages handled, and the failures."""
-        started = time.time_ns()
-        links: dict[str, list[Any]] = {}
+        the messages handled, and the failures. `split`: the unit failed
+        whole on the fast way (when, and its span): start from halves."""
+        started, links = split if split is not None else (time.time_ns(), {})
 
         def attempt(part: list[tuple[InboxRow, Message]]) -> Failure | None:
             savepoints.handler.set()
@@ -359,7 +355,7 @@ class Dispatcher:
             key=lambda member: member[0].key,
             failed_keys=failed_keys,
             alone=lambda member: member[0].attempts > 0,
-            split=split,
+            split=split is not None,
         )
         self.metrics.reruns.inc(outcome.rolled_back)
         self._batch_spans(started, links, outcome.done, outcome.failed)
