@@ -134,6 +134,14 @@ async def async_batch_effect(messages: list[relay.Message], conn) -> None:  # As
     _raise_for_failing(messages)
 
 
+@registry.batch_handler("BatchHang")
+def batch_hang(messages: list[relay.Message], conn: sa.Connection) -> None:
+    """Writes, then blocks its thread for an hour if any message has {"hang": true}."""
+    conn.execute(_INSERT_MANY, _effects(messages))
+    if any(m.payload.get("hang") for m in messages):
+        time.sleep(3600)
+
+
 mixed_registry = relay.HandlerRegistry()
 mixed_registry.include(registry)
 mixed_registry.include(async_registry)

@@ -355,6 +355,23 @@ def test_generated_batches_exactly_the_failing_ones_and_their_keys_later_ones_wa
         assert call == sorted(call) and len(call) <= max_size
 
 
+async def test_a_row_no_batch_handler_can_be_given_is_dead_and_the_rest_run(effects, database):
+    store(effects, [Planned("r1"), Planned("r3")])
+    rows(
+        effects,
+        "INSERT INTO inbox (consumer, message_id, type, payload) "
+        "VALUES (:c, 'deep', 'Reading', CAST(:p AS jsonb))",
+        c=QUEUE,
+        p="[" * 1100 + "1" + "]" * 1100,
+    )
+    calls: list[list[str]] = []
+    await dispatch_once(database, readings(calls))
+    after = state(effects)
+    assert after["deep"][:2] == ("dead", 1) and "nested 1100 levels" in after["deep"][2]
+    assert calls == [["r1", "r3"]]
+    assert sorted(effect_ids(effects)) == ["r1", "r3"]
+
+
 # --------------------------------------------------------------------------
 # Tracing: one span per message, linked to the spans of its batch's calls
 # --------------------------------------------------------------------------
@@ -449,6 +466,38 @@ async def test_an_async_batch_handler_gets_an_async_connection(effects, loop_url
     assert all(isinstance(conn, AsyncConnection) for _, conn in seen)
     assert sorted(effect_ids(effects)) == [f"r{i:02}" for i in range(10) if i != 3]
     assert all(ids == sorted(ids) for ids, _ in seen)
+
+
+async def test_a_hung_batch_call_fails_its_messages_once_then_only_the_one_that_hangs(
+    effects, rabbit, inbox
+):
+    """Which message of a hung call hangs is not known: the attempt counts on
+    each, the daemon exits for a restart, and then each runs alone (they
+    failed before): only the one that hangs again fails again."""
+    rows(
+        effects,
+        "INSERT INTO inbox (consumer, message_id, key, type, payload) VALUES "
+        "(:c, 'm1', 'a', 'BatchHang', '{}'), (:c, 'm2', 'a', 'BatchHang', '{\"hang\": true}'), "
+        "(:c, 'm3', 'a', 'BatchHang', '{}')",
+        c=f"{rabbit.exchange}.in",
+    )
+    args = ("--handler-timeout", "1", "--max-attempts", "2")
+
+    def attempts() -> dict[str, tuple[str, int]]:
+        return {m: (s, a) for m, s, a, *_ in inbox_rows(effects)}
+
+    first = inbox(*args)
+    assert first.wait(60) == 1
+    assert "handler hung: still running after" in first.log
+    assert attempts() == {"m1": ("pending", 1), "m2": ("pending", 1), "m3": ("pending", 1)}
+    second = inbox(*args)  # the supervisor's restart: m1 alone, then m2 alone hangs
+    assert second.wait(60) == 1
+    assert attempts()["m2"] == ("dead", 2)
+    third = inbox(*args)
+    wait_until(lambda: sorted(effect_ids(effects)) == ["m1", "m3"], timeout=30)
+    assert attempts() == {"m1": ("processed", 1), "m2": ("dead", 2), "m3": ("processed", 1)}
+    third.stop()
+    assert third.proc.returncode == 0
 
 
 # --------------------------------------------------------------------------
