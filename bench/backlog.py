@@ -201,9 +201,7 @@ async def run_inbox(
 ) -> list[tuple[float, int]]:
     """`relay inbox` until `count` rows are processed; its batches (those from
     `since` on, when given). `already`: handler rows from earlier rounds.
-    `batch`: with the batch handler (bench.handlers:batch), as the consumer
-    `bench-batch`, into bench_batch_effects."""
-    consumer = f"{CONSUMER}-batch" if batch else CONSUMER
+    `batch`: with the batch handler (bench.handlers:batch)."""
 
     port = free_port()
     declared = [f"--queue-arg={name}={value}" for name, value in (queue_args or {}).items()]
@@ -216,7 +214,7 @@ async def run_inbox(
         "--handlers",
         "bench.handlers:batch" if batch else "bench.handlers",
         "--consumer-name",
-        consumer,
+        CONSUMER,
         "--http-port",
         str(port),
         *declared,
@@ -234,12 +232,10 @@ async def run_inbox(
     code = await proc.stop()
     if code != 0:
         raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
-    effects = "bench_batch_effects" if batch else "bench_effects"
-    got = await scalar(url, f"SELECT count(*) FROM {effects}")
+    got = await scalar(url, "SELECT count(*) FROM bench_effects")
     if got != already + count:
         raise BenchError(f"handler rows: {got}, expected {already + count}")
-    where = f"AND topic = '{MEASURED_TOPIC}' AND consumer = '{consumer}'"
-    where += _since("processed_at", since)
+    where = f"AND topic = '{MEASURED_TOPIC}'" + _since("processed_at", since)
     return await batch_times(url, "inbox", where=where)
 
 

@@ -22,12 +22,10 @@ EFFECTS_DDL = (
 
 _INSERT = sa.text("INSERT INTO bench_effects (message_id, n) VALUES (:m, :n)")
 
-BATCH_EFFECTS_DDL = EFFECTS_DDL.replace("bench_effects", "bench_batch_effects")
-
 # The list travels as one JSON parameter (a text[] per column costs
 # psycopg's array quoting of every value).
 _INSERT_MANY = sa.text(
-    "INSERT INTO bench_batch_effects (message_id, n) "
+    "INSERT INTO bench_effects (message_id, n) "
     "SELECT m, n FROM json_to_recordset(CAST(:rows AS json)) AS r(m text, n text)"
 )
 

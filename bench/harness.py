@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from bench.common import AMQP_URL, BenchError, Proc, connect
-from bench.handlers import BATCH_EFFECTS_DDL, EFFECTS_DDL
+from bench.handlers import EFFECTS_DDL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,4 +182,3 @@ def daemon_args(url: str, exchange: str, broker: str = AMQP_URL) -> list[str]:
 async def create_effects(url: str) -> None:
     async with await connect(url, autocommit=True) as conn:
         await conn.execute(EFFECTS_DDL)
-        await conn.execute(BATCH_EFFECTS_DDL)
