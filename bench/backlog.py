@@ -197,9 +197,11 @@ async def run_inbox(
     already: int = 0,
     queue_args: dict[str, Any] | None = None,
     since: float | None = None,
+    batch: bool = False,
 ) -> list[tuple[float, int]]:
     """`relay inbox` until `count` rows are processed; its batches (those from
-    `since` on, when given). `already`: handler rows from earlier rounds."""
+    `since` on, when given). `already`: handler rows from earlier rounds.
+    `batch`: with the batch handler (bench.handlers:batch)."""
 
     port = free_port()
     declared = [f"--queue-arg={name}={value}" for name, value in (queue_args or {}).items()]
@@ -210,7 +212,7 @@ async def run_inbox(
         "--queue",
         queue,
         "--handlers",
-        "bench.handlers",
+        "bench.handlers:batch" if batch else "bench.handlers",
         "--consumer-name",
         CONSUMER,
         "--http-port",

@@ -2,7 +2,9 @@
 not the bottleneck, measured in the same invocation.
 
 - wire: `relay outbox --once` over N rows of 100 keys, then `relay inbox`
-  over the N messages it published (a one-INSERT handler), then Node's
+  over the N messages it published (a one-INSERT handler), then the same
+  in a fresh database with a batch handler inserting its effects in one
+  statement per batch (issue 33), then Node's
   amqplib (bench/amqp_limit.js, not CPU-bound) publishing N messages in
   relay's wire format to the same topic exchange and queue, and to the
   queue through the default exchange. Full size: two rounds, medians.
@@ -152,6 +154,7 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
     figures: dict[str, list[float]] = {
         "drain": [],
         "inbox": [],
+        "inbox_batch": [],
         "limit_topic": [],
         "limit_default": [],
         "node_cpu_s": [],
@@ -174,6 +177,17 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         handled = steady_rate(await run_inbox(res, url, exchange, queue, count))
         await _expect_depth(res, queue, 0, "relay inbox")
         await res.drop_database(url)
+        # The same again in a fresh database (the outbox drained, not
+        # measured), for the inbox with a batch handler that inserts its
+        # effects in one statement per batch (issue 33).
+        url = await res.database(f"wire{n}batch")
+        await create_effects(url)
+        await preload_outbox(url, count)
+        await run_outbox(res, url, exchange, count)
+        await _expect_depth(res, queue, count, "relay outbox, again")
+        batched = steady_rate(await run_inbox(res, url, exchange, queue, count, batch=True))
+        await _expect_depth(res, queue, 0, "relay inbox with a batch handler")
+        await res.drop_database(url)
         beam = beam_cpu()
         topic = await node_limit(exchange, MEASURED_TOPIC, count)
         beam_node = beam_cpu() - beam
@@ -182,10 +196,11 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         default = await node_limit("", queue, count)
         await _expect_depth(res, queue, count, "amqplib via the default exchange")
         await _purge(res, queue)
-        if drained is None or handled is None:
+        if drained is None or handled is None or batched is None:
             raise BenchError("too few batches for a steady rate: use more messages")
         figures["drain"].append(drained)
         figures["inbox"].append(handled)
+        figures["inbox_batch"].append(batched)
         figures["limit_topic"].append(count / topic["seconds"])
         figures["limit_default"].append(count / default["seconds"])
         figures["node_cpu_s"].append(topic["cpu_seconds"])
@@ -196,6 +211,7 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
     for name, unit in (
         ("drain", "msgs/s"),
         ("inbox", "msgs/s"),
+        ("inbox_batch", "msgs/s"),
         ("limit_topic", "msgs/s"),
         ("limit_default", "msgs/s"),
         ("node_cpu_s", "s"),
@@ -218,6 +234,9 @@ async def scenario_wire(res: Resources, sz: Sizes, report: Report) -> None:
         report.add("wire", "drain_over_limit", drain / topic_limit, "x")
     if drain and inbox:
         report.add("wire", "inbox_over_drain", inbox / drain, "x")
+    inbox_batch = report.get("wire", "inbox_batch")
+    if drain and inbox_batch:
+        report.add("wire", "inbox_batch_over_drain", inbox_batch / drain, "x")
 
 
 def beam_cpu() -> float:

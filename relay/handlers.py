@@ -42,6 +42,14 @@ class Message:
 
 
 Handler = Callable[[Message, Any], Any]
+# A batch handler: the due messages of its type, in seq order, and the connection.
+BatchHandler = Callable[[list[Message], Any], Any]
+# What a handler or a batch handler is called with.
+Messages = Message | list[Message]
+# Either, as the code that calls them sees them.
+AnyHandler = Callable[[Any, Any], Any]
+
+DEFAULT_MAX_SIZE = 500
 
 
 def _describe(fn: Callable[..., Any]) -> str:
@@ -49,23 +57,41 @@ def _describe(fn: Callable[..., Any]) -> str:
 
 
 class HandlerRegistry:
-    """Maps message types to handlers.
+    """Maps message types to handlers or batch handlers.
 
     >>> registry = HandlerRegistry()
     >>> @registry.handler("OrderPlaced")
     ... def on_order_placed(message, conn): ...
+    >>> @registry.batch_handler("ReadingTaken", max_size=500)
+    ... def on_readings(messages, conn): ...
     """
 
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
+        self._batch_handlers: dict[str, tuple[BatchHandler, int]] = {}
 
     def handler(self, type: str) -> Callable[[Handler], Handler]:
         """Decorator: register the function as the handler of `type`."""
-        if not isinstance(type, str) or not type:
-            raise ValueError("a handler's message type must be a non-empty string")
+        _check_type(type)
 
         def register(fn: Handler) -> Handler:
             self.add(type, fn)
+            return fn
+
+        return register
+
+    def batch_handler(
+        self, type: str, *, max_size: int = DEFAULT_MAX_SIZE
+    ) -> Callable[[BatchHandler], BatchHandler]:
+        """Decorator: register the function as the batch handler of `type`: it
+        gets a list of up to `max_size` due messages of the type, in seq order
+        (fewer when a claimed batch, --batch-size rows, holds fewer)."""
+        _check_type(type)
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"a batch handler's max_size must be a positive integer: {max_size!r}")
+
+        def register(fn: BatchHandler) -> BatchHandler:
+            self.add_batch(type, fn, max_size)
             return fn
 
         return register
@@ -76,39 +102,76 @@ class HandlerRegistry:
             raise ConfigError(
                 f"two handlers for message type {type!r}: {_describe(existing)} and {_describe(fn)}"
             )
+        if type in self._batch_handlers:
+            raise ConfigError(_both(type, fn, self._batch_handlers[type][0]))
         self._handlers[type] = fn
+
+    def add_batch(self, type: str, fn: BatchHandler, max_size: int) -> None:
+        existing = self._batch_handlers.get(type)
+        if existing is not None and existing != (fn, max_size):
+            raise ConfigError(
+                f"two batch handlers for message type {type!r}: "
+                f"{_describe(existing[0])} and {_describe(fn)}"
+            )
+        if type in self._handlers:
+            raise ConfigError(_both(type, self._handlers[type], fn))
+        self._batch_handlers[type] = (fn, max_size)
 
     def get(self, type: str | None) -> Handler | None:
         return self._handlers.get(type) if type is not None else None
+
+    def get_batch(self, type: str | None) -> tuple[BatchHandler, int] | None:
+        """The batch handler of `type` and its max_size, if it has one."""
+        return self._batch_handlers.get(type) if type is not None else None
 
     def include(self, other: HandlerRegistry) -> None:
         """Add every handler of `other`; a type handled twice is a ConfigError."""
         for type, fn in other._handlers.items():
             self.add(type, fn)
+        for type, (batch_fn, max_size) in other._batch_handlers.items():
+            self.add_batch(type, batch_fn, max_size)
 
     @property
     def types(self) -> list[str]:
-        return sorted(self._handlers)
+        """Every type with a handler or a batch handler."""
+        return sorted({*self._handlers, *self._batch_handlers})
+
+    def functions(self) -> list[Handler | BatchHandler]:
+        """Every registered function, handlers and batch handlers."""
+        return [*self._handlers.values(), *(fn for fn, _ in self._batch_handlers.values())]
 
     def __len__(self) -> int:
-        return len(self._handlers)
+        return len(self._handlers) + len(self._batch_handlers)
 
 
-def is_async(fn: Handler | None) -> bool:
+def _check_type(type: str) -> None:
+    if not isinstance(type, str) or not type:
+        raise ValueError("a handler's message type must be a non-empty string")
+
+
+def _both(type: str, fn: Handler, batch_fn: BatchHandler) -> str:
+    return (
+        f"message type {type!r} has a handler ({_describe(fn)}) and a batch handler "
+        f"({_describe(batch_fn)}): a type has one or the other"
+    )
+
+
+def is_async(fn: Handler | BatchHandler | None) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - an object whose __call__ is async
     )
 
 
-async def invoke(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
+async def invoke(fn: AnyHandler, message: Messages, conn: Any, timeout: float | None) -> None:
     """Run one handler inside a savepoint of `conn` (an AsyncConnection): if it
     raises, its writes are rolled back and the rest of the transaction stands."""
     async with conn.begin_nested():
         await call(fn, message, conn, timeout)
 
 
-async def call(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
-    """Run one handler on `conn` (an AsyncConnection), in no savepoint of its own.
+async def call(fn: AnyHandler, message: Messages, conn: Any, timeout: float | None) -> None:
+    """Run one handler (or a batch handler, on a list of messages) on `conn`
+    (an AsyncConnection), in no savepoint of its own.
 
     Async handlers get the AsyncConnection and are cancelled after `timeout`;
     sync handlers get its sync Connection. A sync handler cannot be
@@ -121,8 +184,8 @@ async def call(fn: Handler, message: Message, conn: Any, timeout: float | None) 
 
 
 def call_from_sync(
-    fn: Handler,
-    message: Message,
+    fn: AnyHandler,
+    message: Messages,
     conn: Any,
     async_conn: Any,
     timeout: float | None,
@@ -140,12 +203,12 @@ def call_from_sync(
         _call_sync(fn, message, conn, timeout)
 
 
-async def _call_async(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
+async def _call_async(fn: AnyHandler, message: Messages, conn: Any, timeout: float | None) -> None:
     async with asyncio.timeout(timeout):
         await fn(message, conn)
 
 
-def _call_sync(fn: Handler, message: Message, conn: Any, timeout: float | None) -> None:
+def _call_sync(fn: AnyHandler, message: Messages, conn: Any, timeout: float | None) -> None:
     started = time.monotonic()
     fn(message, conn)
     ran = time.monotonic() - started

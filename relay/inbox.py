@@ -19,18 +19,30 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from relay import storable, tracing
+from relay import batches, storable, tracing
 from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
 from relay.config import InboxSettings
 from relay.db import Store, connection_invalidated
 from relay.errors import HandlerHung, Unavailable
-from relay.handlers import Handler, HandlerRegistry, Message, call_from_sync, is_async
+from relay.handlers import (
+    AnyHandler,
+    BatchHandler,
+    Handler,
+    HandlerRegistry,
+    Message,
+    Messages,
+    call_from_sync,
+    is_async,
+)
 from relay.metrics import InboxMetrics
 from relay.pacing import Pace
 from relay.rows import Failure, InboxRow
 from relay.workers import BLOCKED_RETRY, report_failure
+
+if TYPE_CHECKING:
+    from relay.db.store import HandlerSavepoints
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +86,18 @@ class Dispatcher:
             for type_ in registry.types
             if (handler := registry.get(type_)) is not None
         }
+        # Each type's batch handler, whether it is async, and its max_size.
+        self.batch_handlers: dict[str | None, tuple[BatchHandler, bool, int]] = {
+            type_: (fn, is_async(fn), max_size)
+            for type_ in registry.types
+            if (batch := registry.get_batch(type_)) is not None
+            for fn, max_size in [batch]
+        }
+        self.max_sizes = {
+            type_: max_size
+            for type_, (_, _, max_size) in self.batch_handlers.items()
+            if type_ is not None
+        }
         self.metrics = metrics
         self.pace = pace
         broker = settings.broker.kind if settings.broker is not None else ""
@@ -83,10 +107,11 @@ class Dispatcher:
         self.wakeup = asyncio.Event()
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
-        # The row whose handler runs now, since when (monotonic), and the
-        # backend pid of the batch's connection: read by the watchdog in
-        # DispatcherThread, from another thread (one tuple, set atomically).
-        self.in_hand: tuple[InboxRow, float, int | None] | None = None
+        # The rows whose handler (or batch handler) runs now, since when
+        # (monotonic), and the backend pid of the batch's connection: read by
+        # the watchdog in DispatcherThread, from another thread (one tuple,
+        # set atomically).
+        self.in_hand: tuple[tuple[InboxRow, ...], float, int | None] | None = None
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -166,7 +191,11 @@ class Dispatcher:
         fails there, the batch rolls back to that savepoint and runs on,
         carefully, from it: the handlers since then run again, the failed row
         does not, its failure is recorded. Rows that failed before run
-        carefully from the start."""
+        carefully from the start.
+
+        The rows of a type with a batch handler go to it in units (see
+        relay.batches.plan), run in the order of their first rows; a unit
+        that fails runs again carefully, in parts (_run_in_parts)."""
         savepoints = self.store.handler_savepoints(conn)
         pid = self.store.backend_pid(conn)
         careful = any(row.attempts for row in rows)
@@ -174,61 +203,222 @@ class Dispatcher:
         failed: list[tuple[InboxRow, Failure, float]] = []
         failed_keys: set[str] = set()
         known: dict[int, Failure] = {}  # failures rolled back, by position in rows
+        # Batch units that failed whole, by index in units: when their first
+        # call started and its span (each message's span links to it too).
+        split: dict[int, tuple[int, dict[str, list[Any]]]] = {}
+        units = (
+            batches.plan(rows, self.max_sizes)
+            if self.max_sizes
+            else [(position,) for position in range(len(rows))]
+        )
+        checkpoint: tuple[int, int, int, set[str]] = (0, 0, 0, set())
+        since = time.monotonic()
         if not careful:
             savepoints.batch.set()
-            checkpoint: tuple[int, int, int, set[str]] = (0, 0, 0, set())
-            since = time.monotonic()
+
+        def move_checkpoint(index: int) -> None:
+            nonlocal checkpoint, since
+            now = time.monotonic()
+            if now - since > CHECKPOINT_EVERY:
+                savepoints.batch.set()
+                checkpoint = (index, len(processed), len(failed), set(failed_keys))
+                since = now
+
         at = 0
-        while at < len(rows):
-            position, row = at, rows[at]
+        while at < len(units):
+            index, unit = at, units[at]
             at += 1
-            if row.key is not None and row.key in failed_keys:
-                continue  # a failed row holds its key: later rows wait, untouched
-            handler = self.handlers.get(row.type)
-            failure = known.get(position)
-            if failure is not None:
-                pass  # failed before the roll back: recorded, not run again
-            elif handler is None:
-                failure = Failure(
-                    f"no handler registered for message type {row.type!r}", permanent=True
-                )
-            else:
-                now = time.monotonic()
-                if careful:
-                    savepoints.handler.set()
-                elif now - since > CHECKPOINT_EVERY:
-                    savepoints.batch.set()
-                    checkpoint = (position, len(processed), len(failed), set(failed_keys))
-                    since = now
-                self.in_hand = (row, now, pid)
-                try:
-                    failure = self._handle(conn, async_conn, row, *handler)
-                finally:
-                    self.in_hand = None
+            batch = self.batch_handlers.get(rows[unit[0]].type)
+            if batch is not None:
+                # The unit's messages, but those held by a failure of their key.
+                members: list[tuple[InboxRow, Message]] = []
+                for position in unit:
+                    row = rows[position]
+                    if row.key is not None and row.key in failed_keys:
+                        continue
+                    message = self._message(conn, row)
+                    if isinstance(message, Failure):
+                        self._fail(row, message, failed, failed_keys)
+                    else:
+                        members.append((row, message))
+                if not members:
+                    continue
+                if careful or index in split:
+                    done, failures = self._run_in_parts(
+                        conn, async_conn, savepoints, pid, batch, members, failed_keys,
+                        split.get(index),
+                    )  # fmt: skip
+                    processed.extend(done)
+                    failed.extend(failures)
+                    continue
+                move_checkpoint(index)
+                started = time.time_ns()
+                links: dict[str, list[Any]] = {}
+                failure = self._run_batch(conn, async_conn, pid, batch, members, links)
                 if failure is None and savepoints.aborted():
                     failure = Failure(ABORTED_BY_HANDLER)
+                if failure is None:
+                    processed.extend(row.message_id for row, _ in members)
+                    self._batch_spans(started, links, members, [])
+                    continue
+                split[index] = (started, links)  # on the careful run, it starts from halves
+            else:
+                position, row = unit[0], rows[unit[0]]
+                fast_failure = False
+                if row.key is not None and row.key in failed_keys:
+                    continue  # a failed row holds its key: later rows wait, untouched
+                handler = self.handlers.get(row.type)
+                failure = known.get(position)
                 if failure is not None:
-                    if not careful:  # back to the checkpoint, and on from there carefully
-                        known[position] = failure
-                        savepoints.batch.undo()
-                        careful = True
-                        at, kept_processed, kept_failed, failed_keys = checkpoint
-                        self.metrics.reruns.inc(len(processed) - kept_processed)
-                        del processed[kept_processed:], failed[kept_failed:]
-                        continue
-                    savepoints.handler.undo()
-            if failure is None:
-                processed.append(row.message_id)
-                continue
-            failed.append((row, failure, self.backoff.delay(row.attempts + 1)))
-            if row.key is not None:
-                failed_keys.add(row.key)
+                    pass  # failed before the roll back: recorded, not run again
+                elif handler is None:
+                    failure = Failure(
+                        f"no handler registered for message type {row.type!r}", permanent=True
+                    )
+                else:
+                    if careful:
+                        savepoints.handler.set()
+                    else:
+                        move_checkpoint(index)
+                    self.in_hand = ((row,), time.monotonic(), pid)
+                    try:
+                        failure = self._handle(conn, async_conn, row, *handler)
+                    finally:
+                        self.in_hand = None
+                    if failure is None and savepoints.aborted():
+                        failure = Failure(ABORTED_BY_HANDLER)
+                    if failure is not None and not careful:
+                        known[position] = failure  # recorded on the careful run
+                        failure = None
+                        fast_failure = True
+                    elif failure is not None:
+                        savepoints.handler.undo()
+                if failure is not None:
+                    self._fail(row, failure, failed, failed_keys)
+                    continue
+                if not fast_failure:
+                    processed.append(row.message_id)
+                    continue
+            # A failure on the fast way: back to the checkpoint, and on from
+            # there carefully.
+            savepoints.batch.undo()
+            careful = True
+            at, kept_processed, kept_failed, failed_keys = checkpoint
+            self.metrics.reruns.inc(len(processed) - kept_processed)
+            del processed[kept_processed:], failed[kept_failed:]
         savepoints.before_marks()
         return processed, failed
 
-    def _handle(
-        self, conn: Any, async_conn: Any, row: InboxRow, handler: Handler, asynchronous: bool
+    def _fail(
+        self,
+        row: InboxRow,
+        failure: Failure,
+        failed: list[tuple[InboxRow, Failure, float]],
+        failed_keys: set[str],
+    ) -> None:
+        """Record a row's failure; it holds its key for the rest of the batch."""
+        failed.append((row, failure, self.backoff.delay(row.attempts + 1)))
+        if row.key is not None:
+            failed_keys.add(row.key)
+
+    def _run_in_parts(
+        self,
+        conn: Any,
+        async_conn: Any,
+        savepoints: HandlerSavepoints,
+        pid: int | None,
+        batch: tuple[BatchHandler, bool, int],
+        members: list[tuple[InboxRow, Message]],
+        failed_keys: set[str],
+        split: tuple[int, dict[str, list[Any]]] | None,
+    ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]]]:
+        """Run a batch handler's unit carefully: each part in a savepoint of
+        its own, a part that fails again as halves, down to single messages
+        (relay.batches.run_in_parts). Messages that failed before run alone
+        from the start: they are likely to fail again. Returns the ids of
+        the messages handled, and the failures. `split`: the unit failed
+        whole on the fast way (when, and its span): start from halves."""
+        started, links = split if split is not None else (time.time_ns(), {})
+
+        def attempt(part: list[tuple[InboxRow, Message]]) -> Failure | None:
+            savepoints.handler.set()
+            failure = self._run_batch(conn, async_conn, pid, batch, part, links)
+            if failure is None and savepoints.aborted():
+                failure = Failure(ABORTED_BY_HANDLER)
+            if failure is not None:
+                savepoints.handler.undo()
+            return failure
+
+        outcome = batches.run_in_parts(
+            members,
+            attempt,
+            key=lambda member: member[0].key,
+            failed_keys=failed_keys,
+            alone=lambda member: member[0].attempts > 0,
+            split=split is not None,
+        )
+        self.metrics.reruns.inc(outcome.rolled_back)
+        self._batch_spans(started, links, outcome.done, outcome.failed)
+        return [row.message_id for row, _ in outcome.done], [
+            (row, failure, self.backoff.delay(row.attempts + 1))
+            for (row, _), failure in outcome.failed
+        ]
+
+    def _run_batch(
+        self,
+        conn: Any,
+        async_conn: Any,
+        pid: int | None,
+        batch: tuple[BatchHandler, bool, int],
+        part: list[tuple[InboxRow, Message]],
+        links: dict[str, list[Any]],
     ) -> Failure | None:
+        """One call of a batch handler, in no savepoint of its own; notes its
+        span in `links` under each message's id."""
+        handler, asynchronous, _ = batch
+        messages = [message for _, message in part]
+        self.in_hand = (tuple(row for row, _ in part), time.monotonic(), pid)
+        started = time.perf_counter()
+        try:
+            if not tracing.enabled:
+                return self._call(handler, messages, conn, async_conn, asynchronous)
+            with tracing.process_batch(
+                self.messaging_system, self.settings.consumer_name, part[0][0].type, len(part)
+            ) as span:
+                failure = self._call(handler, messages, conn, async_conn, asynchronous)
+                if failure is not None:
+                    tracing.failed(span, failure.error)
+            for message in messages:
+                links.setdefault(message.id, []).append(span)
+            return failure
+        finally:
+            self.in_hand = None
+            self.metrics.handler_seconds.observe(time.perf_counter() - started)
+
+    def _batch_spans(
+        self,
+        started: int,
+        links: dict[str, list[Any]],
+        done: Sequence[tuple[InboxRow, Message]],
+        failed: Sequence[tuple[tuple[InboxRow, Message], Failure]],
+    ) -> None:
+        """One span per message of a batch unit, linked to its batch spans."""
+        if not tracing.enabled:
+            return
+        outcomes: list[tuple[tuple[InboxRow, Message], str | None]]
+        outcomes = [(member, None) for member in done]
+        outcomes += [(member, failure.error) for member, failure in failed]
+        for (row, message), error in outcomes:
+            tracing.batch_message(
+                self.messaging_system,
+                message,
+                batches=links.get(row.message_id, []),
+                started=started,
+                error=error,
+            )
+
+    def _message(self, conn: Any, row: InboxRow) -> Message | Failure:
+        """The Message a handler gets for a row, or why it cannot get one."""
         try:
             headers = storable.loads(row.headers) if row.headers else {}
             payload = storable.loads(row.payload) if row.payload is not None else None
@@ -242,7 +432,7 @@ class Dispatcher:
             if row.payload is None
             else None
         )
-        message = Message(
+        return Message(
             id=row.message_id,
             type=row.type,
             topic=row.topic,
@@ -253,18 +443,17 @@ class Dispatcher:
             consumer=self.settings.consumer_name,
             body=body,
         )
+
+    def _handle(
+        self, conn: Any, async_conn: Any, row: InboxRow, handler: Handler, asynchronous: bool
+    ) -> Failure | None:
+        message = self._message(conn, row)
+        if isinstance(message, Failure):
+            return message
         started = time.perf_counter()
         try:
             if tracing.enabled:
-                with tracing.process(
-                    self.messaging_system,
-                    message.consumer,
-                    row.message_id,
-                    row.topic,
-                    row.type,
-                    message.headers,
-                    row.attempts,
-                ) as span:
+                with tracing.process(self.messaging_system, message) as span:
                     failure = self._call(handler, message, conn, async_conn, asynchronous)
                     if failure is not None:
                         tracing.failed(span, failure.error)
@@ -287,7 +476,7 @@ class Dispatcher:
         return None
 
     def _call(
-        self, handler: Handler, message: Message, conn: Any, async_conn: Any, asynchronous: bool
+        self, handler: AnyHandler, message: Messages, conn: Any, async_conn: Any, asynchronous: bool
     ) -> Failure | None:
         """Run one handler; its exception as a Failure (a lost database raises)."""
         try:
@@ -435,7 +624,7 @@ class DispatcherThread:
             in_hand = dispatcher.in_hand if dispatcher is not None else None
             if dispatcher is None or in_hand is None:
                 continue
-            row, started, pid = in_hand
+            held, started, pid = in_hand
             settings = dispatcher.settings
             ran = time.monotonic() - started
             if ran < settings.handler_timeout * HUNG_AFTER or dispatcher.in_hand is not in_hand:
@@ -446,11 +635,13 @@ class DispatcherThread:
                 "transaction was ended and the inbox daemon exited so that its "
                 "supervisor restarts it"
             )
+            row = held[0]
             log.error(
-                "%s (message %s, type %r)",
+                "%s (message %s, type %r%s)",
                 error,
                 row.message_id,
                 row.type,
+                f", and {len(held) - 1} more messages of its batch" if len(held) > 1 else "",
                 extra={
                     "action": "handler_hung",
                     "message_id": row.message_id,
@@ -458,23 +649,24 @@ class DispatcherThread:
                     "attempts": row.attempts + 1,
                 },
             )
+            # A batch handler's call that hangs counts the attempt on every
+            # message in it (which one hangs is not known); having failed,
+            # each runs alone next time, and only the one that hangs again
+            # fails again (relay.batches.run_in_parts).
             store = Store(settings.database_url, pool_size=1)
             try:
-                status = await store.fail_hung_handler(
+                statuses = await store.fail_hung_handler(
                     pid,
                     settings.consumer_name,
-                    row,
+                    [(row, dispatcher.backoff.delay(row.attempts + 1)) for row in held],
                     error,
-                    dispatcher.backoff.delay(row.attempts + 1),
                     settings.max_attempts,
                 )
             except Exception as exc:  # the restart is what matters; the count is best effort
                 log.error("could not record the hung handler's attempt: %r", exc)
-                status = None
+                statuses = []
             finally:
                 await store.close()
-            if status is not None:
-                dispatcher.metrics.failed.inc()
-                if status == "dead":
-                    dispatcher.metrics.dead.inc()
+            dispatcher.metrics.failed.inc(len(statuses))
+            dispatcher.metrics.dead.inc(statuses.count("dead"))
             raise HandlerHung(error)

@@ -94,14 +94,21 @@ def _with_context(fn: Handler) -> Handler:
 
 
 def with_log_context(registry: HandlerRegistry) -> HandlerRegistry:
-    """The same handlers, each running inside message_context()."""
+    """The same handlers, each running inside message_context(); batch
+    handlers as they are."""
     from relay.handlers import HandlerRegistry
 
     wrapped = HandlerRegistry()
     for type_ in registry.types:
         handler = registry.get(type_)
-        assert handler is not None
-        wrapped.add(type_, _with_context(handler))
+        if handler is not None:
+            wrapped.add(type_, _with_context(handler))
+            continue
+        # A batch handler runs for many messages at once: its log lines
+        # carry none of them (each message has its span; relay.tracing).
+        batch = registry.get_batch(type_)
+        assert batch is not None
+        wrapped.add_batch(type_, *batch)
     return wrapped
 
 

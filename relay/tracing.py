@@ -9,7 +9,12 @@ standard OTEL_* variables, as `opentelemetry-instrument` would, and trace:
   broker's confirm;
 - each inbox message: a CONSUMER span `process <topic>`, child of the
   message's `traceparent`, around its handler, which runs inside it (the
-  handler's own spans and log lines belong to it).
+  handler's own spans and log lines belong to it);
+- each call of a batch handler: a CONSUMER span `process batch <type>`,
+  current while the handler runs, and for each of its messages a span
+  `process <topic>` as above, child of the message's `traceparent` and
+  linked to every batch span the message took part in (a batch that
+  failed runs again in parts), from the first call to the message's fate.
 
 On the producer's side, `relay.enqueue` adds the app's current context
 (`traceparent`, and `tracestate`/`baggage` when set) to the row's headers
@@ -177,37 +182,76 @@ def failed(span: Any, error: str) -> None:
     span.set_status(Status(StatusCode.ERROR, error.splitlines()[-1] if error else ""))
 
 
-@contextlib.contextmanager
-def process(
-    system: str,
-    consumer: str,
-    message_id: str,
-    topic: str | None,
-    type_: str | None,
-    headers: Mapping[str, Any],
-    attempts: int,
-) -> Iterator[Any]:
-    """A CONSUMER span around one handler run, current while it runs."""
-    from opentelemetry.trace import SpanKind
-
-    attributes = {
+def _consumer_attributes(system: str, consumer: str) -> dict[str, Any]:
+    return {
         "messaging.system": system,
         "messaging.operation.type": "process",
         "messaging.operation.name": "process",
         "messaging.consumer.group.name": consumer,
-        "messaging.message.id": message_id,
-        "relay.inbox.attempts": attempts,
     }
-    if topic is not None:
-        attributes["messaging.destination.name"] = topic
+
+
+def _message_span(system: str, message: Any) -> dict[str, Any]:
+    """The arguments of start_span for an inbox message (a relay.Message)."""
+    from opentelemetry.trace import SpanKind
+
+    attributes = _consumer_attributes(system, message.consumer)
+    attributes["messaging.message.id"] = message.id
+    attributes["relay.inbox.attempts"] = message.attempts
+    if message.topic is not None:
+        attributes["messaging.destination.name"] = message.topic
+    if message.type is not None:
+        attributes["relay.message.type"] = message.type
+    return {
+        "name": f"process {message.topic or message.type or message.consumer}",
+        "context": _parent(message.headers),
+        "kind": SpanKind.CONSUMER,
+        "attributes": attributes,
+    }
+
+
+@contextlib.contextmanager
+def process(system: str, message: Any) -> Iterator[Any]:
+    """A CONSUMER span around one handler run for `message` (a
+    relay.Message), current while it runs."""
+    with _tracer.start_as_current_span(
+        **_message_span(system, message), record_exception=True, set_status_on_exception=True
+    ) as span:
+        yield span
+
+
+@contextlib.contextmanager
+def process_batch(system: str, consumer: str, type_: str | None, count: int) -> Iterator[Any]:
+    """A CONSUMER span around one call of a batch handler, current while it runs."""
+    from opentelemetry.trace import SpanKind
+
+    attributes = _consumer_attributes(system, consumer)
+    attributes["messaging.batch.message_count"] = count
     if type_ is not None:
         attributes["relay.message.type"] = type_
     with _tracer.start_as_current_span(
-        f"process {topic or type_ or consumer}",
-        context=_parent(headers),
+        f"process batch {type_ or consumer}",
         kind=SpanKind.CONSUMER,
         attributes=attributes,
         record_exception=True,
         set_status_on_exception=True,
     ) as span:
         yield span
+
+
+def batch_message(
+    system: str, message: Any, *, batches: Sequence[Any], started: int, error: str | None
+) -> None:
+    """The span of one message (a relay.Message) of a batch handler, ended
+    now: child of the message's trace, linked to the `batches` (spans of
+    process_batch) it took part in, from `started` (time.time_ns()) on."""
+    from opentelemetry.trace import Link
+
+    span = _tracer.start_span(
+        **_message_span(system, message),
+        links=[Link(batch.get_span_context()) for batch in batches],
+        start_time=started,
+    )
+    if error is not None:
+        failed(span, error)
+    span.end()

@@ -177,7 +177,7 @@ def inbox_service(
     )
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
-    all_sync = not any(is_async(registry.get(t)) for t in types)
+    all_sync = not any(is_async(fn) for fn in registry.functions())
 
     def make_dispatcher(worker: int) -> DispatcherThread:
         return DispatcherThread(

@@ -388,29 +388,34 @@ class Store:
         self,
         pid: int | None,
         consumer: str,
-        row: InboxRow,
+        rows: Sequence[tuple[InboxRow, float]],
         error: str,
-        delay: float,
         max_attempts: int,
-    ) -> str | None:
+    ) -> list[str]:
         """End the transaction of a hung handler (backend `pid`: the
-        dispatcher's own connection), then record its failed attempt; the
-        UPDATE waits for the row lock the ended transaction held, and does
-        nothing if the row was finished meanwhile. Returns the new status."""
-        params = {
-            "consumer": consumer,
-            "id": row.message_id,
-            "attempts": row.attempts,
-            "error": error,
-            "delay": delay,
-            "max_attempts": max_attempts,
-        }
+        dispatcher's own connection), then record the failed attempt of its
+        rows (each with its backoff delay: one row for a handler, those of
+        the call for a batch handler); the UPDATE waits for the row lock the
+        ended transaction held, and does nothing if the row was finished
+        meanwhile. Returns the new statuses."""
+        statuses: list[str] = []
         async with self.transaction() as conn:
             await conn.execute(named("lock_timeout"), {"timeout": "10s"})
             if pid is not None:
                 await conn.execute(named("terminate_backend"), {"pid": pid})
-            status: str | None = await conn.scalar(named("inbox_mark_hung"), params)
-            return status
+            for row, delay in rows:
+                params = {
+                    "consumer": consumer,
+                    "id": row.message_id,
+                    "attempts": row.attempts,
+                    "error": error,
+                    "delay": delay,
+                    "max_attempts": max_attempts,
+                }
+                status = await conn.scalar(named("inbox_mark_hung"), params)
+                if status is not None:
+                    statuses.append(status)
+        return statuses
 
     async def retry(
         self, table: str, *, ids: Sequence[str], all_dead: bool, consumer: str | None

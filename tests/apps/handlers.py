@@ -11,6 +11,7 @@ dispatcher on the async engine (relay.inbox.Dispatcher.dispatch_batch).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import sqlalchemy as sa
@@ -99,6 +100,46 @@ def logs(message: relay.Message, conn: sa.Connection) -> None:
 
     logging.getLogger("tests.apps").info("handling")
     conn.execute(_INSERT, _effect(message))
+
+
+# Batch handlers: every message's effect in one statement, then a failure
+# when any message of the call has {"fail": true} (so only the messages
+# that fail on their own lose their effects).
+_INSERT_MANY = sa.text(
+    "INSERT INTO effects (message_id, type, key, n, traceparent) "
+    "SELECT m, t, k, n, tp FROM json_to_recordset(CAST(:rows AS json)) "
+    "AS r(m text, t text, k text, n int, tp text)"
+)
+
+
+def _effects(messages: list[relay.Message]) -> dict[str, str]:
+    return {"rows": json.dumps([_effect(message) for message in messages])}
+
+
+def _raise_for_failing(messages: list[relay.Message]) -> None:
+    failing = [m.id for m in messages if isinstance(m.payload, dict) and m.payload.get("fail")]
+    if failing:
+        raise ValueError(f"failing messages in the batch: {failing}")
+
+
+@registry.batch_handler("BatchEffect", max_size=100)
+def batch_effect(messages: list[relay.Message], conn: sa.Connection) -> None:
+    conn.execute(_INSERT_MANY, _effects(messages))
+    _raise_for_failing(messages)
+
+
+@async_registry.batch_handler("AsyncBatchEffect", max_size=100)
+async def async_batch_effect(messages: list[relay.Message], conn) -> None:  # AsyncConnection
+    await conn.execute(_INSERT_MANY, _effects(messages))
+    _raise_for_failing(messages)
+
+
+@registry.batch_handler("BatchHang")
+def batch_hang(messages: list[relay.Message], conn: sa.Connection) -> None:
+    """Writes, then blocks its thread for an hour if any message has {"hang": true}."""
+    conn.execute(_INSERT_MANY, _effects(messages))
+    if any(m.payload.get("hang") for m in messages):
+        time.sleep(3600)
 
 
 mixed_registry = relay.HandlerRegistry()
