@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from relay import claimcheck
 from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
@@ -29,8 +31,9 @@ log = logging.getLogger("relay.inbox")
 # How long the receiver waits to fill a batch once a message has arrived.
 BATCH_WAIT = 0.005
 
-# (messages received, rows new to the table, new rows stored as dead)
-Report = Callable[[int, int, int], None]
+# (messages received, rows new to the table, new rows stored as dead,
+# messages whose body was fetched from S3 by claim check, bytes fetched)
+Report = Callable[[int, int, int, int, int], None]
 
 
 # --------------------------------------------------------------------------
@@ -72,6 +75,17 @@ class Receiver:
         self.report = report
         self.stopping = asyncio.Event()
         self.reconnect = reconnect_backoff()
+        self.fetch: claimcheck.Fetch | None = None
+        self._reader: Any = None
+        if settings.claim_check is not None:
+            from relay.s3 import ClaimCheckReader  # boto3, only when asked for
+
+            self._reader = ClaimCheckReader(settings.claim_check)
+            self.fetch = self._reader.fetch
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -101,8 +115,10 @@ class Receiver:
             await batches.aclose()
 
     async def store_batch(self, batch: Sequence[Incoming]) -> None:
-        """Insert and commit, then acknowledge. Holds on to the batch (unacked)
-        while the database is away, unless stopping."""
+        """Fetch the bodies of claim check pointers, insert and commit, then
+        acknowledge. Holds on to the batch (unacked) while S3 or the database
+        is away, unless stopping."""
+        batch, fetched, fetched_bytes = await self._resolve(batch)
         rows = [to_row(m) for m in batch]
         failures = 0
         while True:
@@ -136,7 +152,27 @@ class Receiver:
                         "topic": row.topic,
                     },
                 )
-        self.report(len(rows), len(new), dead)
+        self.report(len(rows), len(new), dead, fetched, fetched_bytes)
+
+    async def _resolve(self, batch: Sequence[Incoming]) -> tuple[list[Incoming], int, int]:
+        """relay.claimcheck.resolve, waiting out an S3 that cannot be reached
+        (as a database that is away: nothing is stored dead for it)."""
+        failures = 0
+        while True:
+            try:
+                return await claimcheck.resolve(batch, self.fetch)
+            except Unavailable as exc:
+                if self.stopping.is_set():
+                    raise
+                failures += 1
+                delay = self.reconnect.delay(failures)
+                log.warning(
+                    "cannot fetch claim checked bodies: %s; retrying in %.1fs",
+                    exc,
+                    delay,
+                    extra={"action": "claim_check_wait"},
+                )
+                await sleep_unless(self.stopping, delay)
 
     async def _insert(self, batch: Sequence[Incoming], rows: list[NewInboxRow]) -> set[str]:
         """Store the rows; a row PostgreSQL refuses (one statement fails for
