@@ -123,6 +123,27 @@ async def resolve(
     return out, count, size
 
 
+def is_pointer(message: Incoming) -> bool:
+    return has_size(message.headers) and read_pointer(message.body) is not None
+
+
+def parts(batch: Sequence[Incoming], pointers: int) -> list[Sequence[Incoming]]:
+    """The batch in consecutive parts of at most `pointers` claim check
+    pointers each (the whole batch, as it is, when it holds that few)."""
+    out: list[Sequence[Incoming]] = []
+    start = count = 0
+    for index, message in enumerate(batch):
+        if is_pointer(message):
+            if count == pointers:
+                out.append(batch[start:index])
+                start, count = index, 0
+            count += 1
+    if start == 0:
+        return [batch]
+    out.append(batch[start:])
+    return out
+
+
 def fetch_from(objects: Any) -> Fetch:
     """The Fetch of `relay retry` over a relay.s3.ObjectStore, or over None
     (no --claim-check given: every object "cannot be read", saying why)."""
@@ -144,6 +165,8 @@ __all__ = [
     "Fetch",
     "fetch_from",
     "has_size",
+    "is_pointer",
+    "parts",
     "pointer_body",
     "read_pointer",
     "resolve",

@@ -12,6 +12,7 @@ module loads neither SQLAlchemy nor handler code, so the child stays small.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,8 @@ log = logging.getLogger("relay.inbox")
 
 # How long the receiver waits to fill a batch once a message has arrived.
 BATCH_WAIT = 0.005
+# Claim check bodies fetched and held at once (a batch is stored in parts).
+FETCHED_AT_ONCE = 4
 
 # (messages received, rows new to the table, new rows stored as dead,
 # messages whose body was fetched from S3 by claim check, bytes fetched)
@@ -117,14 +120,45 @@ class Receiver:
     async def store_batch(self, batch: Sequence[Incoming]) -> None:
         """Fetch the bodies of claim check pointers, insert and commit, then
         acknowledge. Holds on to the batch (unacked) while S3 or the database
-        is away, unless stopping."""
-        batch, fetched, fetched_bytes = await self._resolve(batch)
-        rows = [to_row(m) for m in batch]
+        is away, unless stopping.
+
+        A batch with claim check pointers is stored in parts of at most
+        FETCHED_AT_ONCE of them (relay.claimcheck.parts), so that no more
+        than that many large bodies are in memory at once; the batch is
+        acknowledged once every part is committed."""
+        stored: list[NewInboxRow] = []
+        new: set[str] = set()
+        fetched = fetched_bytes = 0
+        for part in claimcheck.parts(batch, FETCHED_AT_ONCE):
+            resolved, count, size = await self._resolve(part)
+            fetched, fetched_bytes = fetched + count, fetched_bytes + size
+            rows = [to_row(m) for m in resolved]
+            new |= await self._store(resolved, rows)
+            # What the report needs, not the bodies.
+            stored += [dataclasses.replace(row, payload=None, body=None) for row in rows]
+            del resolved, rows
+        await self.consumer.ack(batch)
+        dead = 0
+        for row in stored:
+            if row.status == "dead" and row.message_id in new:
+                dead += 1
+                log.warning(
+                    "stored as dead: %s",
+                    row.last_error,
+                    extra={
+                        "action": "received_dead",
+                        "message_id": row.message_id,
+                        "topic": row.topic,
+                    },
+                )
+        self.report(len(stored), len(new), dead, fetched, fetched_bytes)
+
+    async def _store(self, batch: Sequence[Incoming], rows: list[NewInboxRow]) -> set[str]:
+        """_insert, waiting out a database that is away (unless stopping)."""
         failures = 0
         while True:
             try:
-                new = await self._insert(batch, rows)
-                break
+                return await self._insert(batch, rows)
             except Unavailable as exc:
                 if self.stopping.is_set():
                     raise
@@ -138,21 +172,6 @@ class Receiver:
                     extra={"action": "store_wait"},
                 )
                 await sleep_unless(self.stopping, delay)
-        await self.consumer.ack(batch)
-        dead = 0
-        for row in rows:
-            if row.status == "dead" and row.message_id in new:
-                dead += 1
-                log.warning(
-                    "stored as dead: %s",
-                    row.last_error,
-                    extra={
-                        "action": "received_dead",
-                        "message_id": row.message_id,
-                        "topic": row.topic,
-                    },
-                )
-        self.report(len(rows), len(new), dead, fetched, fetched_bytes)
 
     async def _resolve(self, batch: Sequence[Incoming]) -> tuple[list[Incoming], int, int]:
         """relay.claimcheck.resolve, waiting out an S3 that cannot be reached

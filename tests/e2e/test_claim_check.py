@@ -23,7 +23,7 @@ import orjson
 import pytest
 import sqlalchemy as sa
 
-from relay.claimcheck import pointer_body, read_pointer, resolve
+from relay.claimcheck import parts, pointer_body, read_pointer, resolve
 from relay.config import ClaimCheckURL, parse_size
 from relay.errors import ConfigError
 from tests.conftest import (
@@ -194,6 +194,23 @@ async def test_pointer_format_and_recognition() -> None:
 
     plain = Incoming("m", "t", None, "T", text.encode())
     assert (await resolve([plain], None))[0] == [plain]
+
+
+def test_a_batch_of_pointers_is_stored_in_parts() -> None:
+    from relay.brokers import Incoming
+
+    def message(n: int, large: bool) -> Incoming:
+        body = pointer_body("b", str(n)).encode() if large else b"{}"
+        return Incoming(str(n), "t", None, "T", body, {"ExtendedPayloadSize": 9})
+
+    small = [message(n, False) for n in range(5)]
+    assert parts(small, 2) == [small]
+    mixed = [message(n, n % 2 == 1) for n in range(10)]  # pointers at 1, 3, 5, 7, 9
+    assert [[m.message_id for m in part] for part in parts(mixed, 2)] == [
+        ["0", "1", "2", "3", "4"],
+        ["5", "6", "7", "8"],
+        ["9"],
+    ]
 
 
 # --------------------------------------------------------------------------
