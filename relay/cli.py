@@ -810,7 +810,8 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
     show_envvar=True,
     help="the token that allows changes (prefer the variable); unset: read only",
 )
-def console(**kwargs: Any) -> None:
+@_claim_check_option
+def console(claim_check: str | None, **kwargs: Any) -> None:
     """Serve the operator's web console: overview, dead messages, retry, edit, discard."""
     token = kwargs.pop("console_token") or None
     _setup_logs(kwargs)
@@ -822,6 +823,7 @@ def console(**kwargs: Any) -> None:
         host=kwargs["host"],
         port=kwargs["port"],
         token=token,
+        claim_check=_claim_check(claim_check),
     )
     sys.exit(_run(serve(settings)))
 

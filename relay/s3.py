@@ -271,7 +271,9 @@ class ClaimCheckPublisher:
 
         async with self._slots:
             try:
-                return await self.store.put_body(key, body)
+                size = await self.store.put_body(key, body)
+                self._s3_ok = True  # back, if it was away
+                return size
             except S3Unavailable as exc:
                 if self._s3_ok:
                     log.warning("claim check: %s", exc)
