@@ -425,7 +425,7 @@ def test_pointer_to_a_missing_object_is_dead_until_retried(
     assert payload == [POINTER, {"s3BucketName": s3.bucket, "s3Key": key}]  # kept as received
 
     # Without --claim-check the retry cannot fetch it: still dead, and says why.
-    done = run_relay("retry", "inbox", "--id", "m-1")
+    done = run_relay("dead", "retry", "--id", "m-1")
     assert done.returncode == 0, done.stderr
     assert "retried 0 inbox rows" in done.stdout
     [(status, last_error)] = rows(
