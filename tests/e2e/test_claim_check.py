@@ -493,6 +493,37 @@ def test_s3_away_for_a_while_is_retried_and_nothing_dies(
         proxy.close()
 
 
+def test_s3_away_at_the_inbox_holds_the_message_and_nothing_dies(
+    effects: sa.Engine,  # noqa: F811
+    sqs: Sqs,  # noqa: F811
+    s3: S3,
+    start_relay: Callable[..., RelayProcess],
+) -> None:
+    queue = sqs.name("inbox-away")
+    sqs.create(queue, VisibilityTimeout=5)
+    s3.client.put_object(Bucket=s3.bucket, Key="obj", Body=body_of(3, 300 * KiB))
+    sqs.client.send_message(
+        QueueUrl=sqs.urls[queue],
+        MessageBody=pointer_body(s3.bucket, "obj"),
+        MessageAttributes={
+            "type": {"DataType": "String", "StringValue": "Effect"},
+            "key": {"DataType": "String", "StringValue": "k"},
+            "ExtendedPayloadSize": {"DataType": "Number", "StringValue": "307220"},
+        },
+    )
+    proxy = Proxy(int(sqs.endpoint.rsplit(":", 1)[1]))  # S3 only goes through it
+    try:
+        url = s3.url(endpoint=f"http://127.0.0.1:{proxy.port}")
+        proc = _sqs_inbox(start_relay, sqs, queue, "--claim-check", url)
+        proc.wait_for_log("cannot fetch claim checked bodies", timeout=30)
+        assert rows(effects, "SELECT count(*) FROM inbox")[0][0] == 0  # held, not stored dead
+        proxy.start()
+        wait_until(lambda: effect_ns(effects) == [3], timeout=60, message="handled once S3 is back")
+        assert rows(effects, "SELECT status, attempts FROM inbox") == [("processed", 0)]
+    finally:
+        proxy.close()
+
+
 def test_missing_bucket_is_dead_with_the_reason_and_the_rest_flows(
     engine: sa.Engine,
     sqs: Sqs,  # noqa: F811
