@@ -11,6 +11,7 @@ S3 away for a while, a missing bucket, a pointer to a missing object.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 import time
@@ -80,6 +81,11 @@ class S3:
 def s3(sqs_server: str) -> Iterator[S3]:  # noqa: F811 - the fixture
     helper = S3(sqs_server)
     yield helper
+    # The session's moto server keeps objects in memory: let the next tests have it.
+    with contextlib.suppress(Exception):
+        for key in helper.objects():
+            helper.client.delete_object(Bucket=helper.bucket, Key=key)
+        helper.client.delete_bucket(Bucket=helper.bucket)
     helper.client.close()
 
 
