@@ -129,12 +129,16 @@ class Receiver:
         stored: list[NewInboxRow] = []
         new: set[str] = set()
         fetched = fetched_bytes = 0
-        for part in claimcheck.parts(batch, FETCHED_AT_ONCE):
+        parts = claimcheck.parts(batch, FETCHED_AT_ONCE)
+        for part in parts:
             resolved, count, size = await self._resolve(part)
             fetched, fetched_bytes = fetched + count, fetched_bytes + size
             rows = [to_row(m) for m in resolved]
             new |= await self._store(resolved, rows)
-            # What the report needs, not the bodies.
+            if len(parts) == 1:  # the usual case: nothing to let go of early
+                stored = rows
+                break
+            # What the report needs, not the large bodies.
             stored += [dataclasses.replace(row, payload=None, body=None) for row in rows]
             del resolved, rows
         await self.consumer.ack(batch)
