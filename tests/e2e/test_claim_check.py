@@ -23,6 +23,8 @@ import boto3
 import orjson
 import pytest
 import sqlalchemy as sa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from relay.claimcheck import parts, pointer_body, read_pointer, resolve
 from relay.config import ClaimCheckURL, parse_size
@@ -200,6 +202,23 @@ async def test_pointer_format_and_recognition() -> None:
 
     plain = Incoming("m", "t", None, "T", text.encode())
     assert (await resolve([plain], None))[0] == [plain]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=300), st.text(min_size=1, max_size=300))
+def test_any_pointer_reads_back(bucket: str, key: str) -> None:
+    assert read_pointer(pointer_body(bucket, key)) == (bucket, key)
+    assert read_pointer(pointer_body(bucket, key).encode()) == (bucket, key)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400) | st.text(max_size=400).map(lambda t: f'["{POINTER}",{t}]'))
+def test_any_other_body_is_not_a_pointer_and_never_raises(body: bytes | str) -> None:
+    found = read_pointer(body)
+    if found is not None:  # then it is one: the exact form, whatever else the object holds
+        value = orjson.loads(body)
+        assert len(value) == 2 and value[0] == POINTER
+        assert (value[1]["s3BucketName"], value[1]["s3Key"]) == found
 
 
 def test_a_batch_of_pointers_is_stored_in_parts() -> None:
