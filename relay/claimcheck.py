@@ -32,8 +32,10 @@ LEGACY_POINTER_CLASS = "com.amazon.sqs.javamessaging.MessageS3Pointer"
 SIZE_ATTRIBUTE = "ExtendedPayloadSize"
 LEGACY_SIZE_ATTRIBUTE = "SQSLargePayloadSize"
 SIZE_ATTRIBUTES = (SIZE_ATTRIBUTE, LEGACY_SIZE_ATTRIBUTE)
-# A pointer body is small: a bucket name (63 bytes) and a key (1,024).
-MAX_POINTER_BYTES = 4096
+# A pointer body is small: a bucket name (63 bytes) and a key (1,024
+# bytes, up to 3,072 once json.dumps has escaped it as Amazon's Python
+# client does).
+MAX_POINTER_BYTES = 8192
 
 
 def pointer_body(bucket: str, key: str) -> str:
