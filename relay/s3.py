@@ -260,9 +260,11 @@ class ClaimCheckPublisher:
         # no look at their body here.
         return len(row.payload) * 4 > self.over
 
-    async def _offload(self, row: OutboxRow) -> int | Failure | Outcome | None:
+    async def _offload(self, row: OutboxRow, gone: list[bool]) -> int | Failure | Outcome | None:
         """Store the row's body if it is over the threshold: its size, None
-        (small: published as it is), or what to report instead."""
+        (small: published as it is), or what to report instead. Once one
+        upload of the batch found S3 unreachable (`gone`), the others do not
+        try: each would wait out the time-outs and retries again."""
         key = self.url.key(row.id)
 
         def body() -> bytes | None:
@@ -270,11 +272,14 @@ class ClaimCheckPublisher:
             return data if len(data) > self.over else None
 
         async with self._slots:
+            if gone[0]:
+                return Outcome.RELEASE
             try:
                 size = await self.store.put_body(key, body)
                 self._s3_ok = True  # back, if it was away
                 return size
             except S3Unavailable as exc:
+                gone[0] = True
                 if self._s3_ok:
                     log.warning("claim check: %s", exc)
                 self._s3_ok = False
@@ -296,10 +301,11 @@ class ClaimCheckPublisher:
         large = [index for index, row in enumerate(rows) if self._maybe_large(row)]
         if not large:
             return await self.inner.publish(rows)
+        gone = [False]
         offloaded = dict(
             zip(
                 large,
-                await asyncio.gather(*(self._offload(rows[i]) for i in large)),
+                await asyncio.gather(*(self._offload(rows[i], gone) for i in large)),
                 strict=True,
             )
         )
