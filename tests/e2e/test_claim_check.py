@@ -140,8 +140,13 @@ def whole_in_inbox(engine: sa.Engine) -> int:
     )
 
 
-def effect_ns(engine: sa.Engine, key: str = "k") -> list[int]:
-    return [r[0] for r in rows(engine, "SELECT n FROM effects WHERE key = :k ORDER BY id", k=key)]
+def effect_ns(engine: sa.Engine, key: str | None = "k") -> list[int]:
+    return [
+        r[0]
+        for r in rows(
+            engine, "SELECT n FROM effects WHERE key IS NOT DISTINCT FROM :k ORDER BY id", k=key
+        )
+    ]
 
 
 # 300 KiB, 1 MiB and 10 MiB bodies, small ones between them, one key.
@@ -640,3 +645,29 @@ async def test_rabbitmq_both_daemons_wire_format_and_order(
     wait_until(lambda: len(effect_ns(effects)) == len(SIZES), timeout=60, message="all handled")
     assert effect_ns(effects) == list(range(len(SIZES)))
     assert whole_in_inbox(effects) == len(SIZES)
+
+
+async def test_rabbitmq_pointer_without_claim_check_is_dead_with_the_reason(
+    effects: sa.Engine,  # noqa: F811
+    rabbit: Rabbit,
+    inbox: Callable[..., RelayProcess],
+) -> None:
+    inbox()  # no --claim-check
+    pointer = pointer_body("some-bucket", "some/key")
+    await rabbit.publish(
+        "big.one",
+        pointer.encode(),
+        message_id="m-1",
+        type="Effect",
+        headers={"ExtendedPayloadSize": 400000, "x-relay-key": "k"},
+    )
+    await rabbit.publish("big.one", b'{"n": 1}', message_id="m-2", type="Effect")
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) == 2, message="both stored")
+    [(status, last_error, payload, headers)] = rows(
+        effects, "SELECT status, last_error, payload, headers FROM inbox WHERE message_id = 'm-1'"
+    )
+    assert status == "dead"
+    assert "no --claim-check is configured" in last_error
+    assert "s3://some-bucket/some/key" in last_error
+    assert payload == orjson.loads(pointer) and headers["ExtendedPayloadSize"] == 400000
+    wait_until(lambda: effect_ns(effects, None) == [1], message="the other one handled")
