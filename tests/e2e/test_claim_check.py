@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -375,6 +376,14 @@ def test_sqs_both_daemons_large_and_small_in_key_order(
     )
 
 
+def http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def metrics_of(port: int) -> dict[str, float]:
     """The daemon's /metrics samples without labels, by name."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
@@ -504,6 +513,7 @@ def test_s3_away_for_a_while_is_retried_and_nothing_dies(
         time.sleep(4)
         # Nothing was published (the key waits behind its first row), no attempt counted.
         assert [(s, a) for _, s, a, _ in outbox_status(engine)] == [("pending", 0)] * 3
+        assert http_status(port, "/readyz") == 503
         proxy.start()
         wait_until(
             lambda: {s for _, s, _, _ in outbox_status(engine)} == {"published"},
@@ -511,6 +521,7 @@ def test_s3_away_for_a_while_is_retried_and_nothing_dies(
             message="published once S3 is back",
         )
         assert all(a == 0 for _, _, a, _ in outbox_status(engine))
+        assert http_status(port, "/readyz") == 200
         objects = s3.objects()
         assert set(objects) == {f"p/{ids[0]}", f"p/{ids[2]}"}
         assert "claim check" in proc.log
