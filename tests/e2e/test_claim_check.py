@@ -524,12 +524,30 @@ def test_s3_away_for_a_while_is_retried_and_nothing_dies(
         assert http_status(port, "/readyz") == 200
         objects = s3.objects()
         assert set(objects) == {f"p/{ids[0]}", f"p/{ids[2]}"}
-        assert "claim check" in proc.log
         metrics = metrics_of(port)
         assert metrics["relay_outbox_claim_checked_total"] == 2
         assert metrics["relay_outbox_claim_check_uploaded_bytes_total"] >= sum(
             len(v) for v in objects.values()
         )
+
+        # Away again while the relay runs: the large row and its key wait,
+        # other keys flow, no attempt is counted.
+        proxy.stop()
+        held = insert(engine, queue, [300 * KiB, 10])
+        other = insert(engine, queue, [20], key="other")[0]
+        wait_until(lambda: {i: s for i, s, _, _ in outbox_status(engine)}[other] == "published")
+        time.sleep(2)
+        status = {i: (s, a) for i, s, a, _ in outbox_status(engine)}
+        assert [status[i] for i in held] == [("pending", 0)] * 2
+        assert "claim check: S3 at" in proc.log
+        proxy.start()
+        wait_until(
+            lambda: {s for _, s, _, _ in outbox_status(engine)} == {"published"},
+            timeout=60,
+            message="published once S3 is back again",
+        )
+        assert all(a == 0 for _, _, a, _ in outbox_status(engine))
+        assert f"p/{held[0]}" in s3.objects()
     finally:
         proxy.close()
 
