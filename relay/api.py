@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from relay.claimcheck import fetch_from
+from relay.config import ClaimCheckURL
 from relay.db import Store
 
 
@@ -43,14 +45,30 @@ async def retry(
     ids: Sequence[str] = (),
     all_dead: bool = False,
     consumer: str | None = None,
+    claim_check: ClaimCheckURL | None = None,
 ) -> int:
-    """Put dead (or the given) rows back to pending with attempts reset; returns how many."""
+    """Put dead (or the given) rows back to pending with attempts reset; returns how many.
+    Inbox rows kept as claim check pointers get their S3 object first
+    (`claim_check` gives S3's region and endpoint; without it they stay dead)."""
     store = Store(database_url, pool_size=1)
+    objects = None
+    if claim_check is not None:
+        from relay.s3 import ObjectStore
+
+        objects = ObjectStore(claim_check)
     try:
         await store.check_schema()
-        return await store.retry(table, ids=ids, all_dead=all_dead, consumer=consumer)
+        return await store.retry(
+            table,
+            ids=ids,
+            all_dead=all_dead,
+            consumer=consumer,
+            fetch=fetch_from(objects),
+        )
     finally:
         await store.close()
+        if objects is not None:
+            await objects.close()
 
 
 __all__ = ["apply_schema", "dead_keys", "retry", "table_status"]

@@ -79,6 +79,19 @@ def _common(f: F) -> F:
     return f
 
 
+_claim_check_option = option(
+    "--claim-check",
+    default=None,
+    metavar="s3://BUCKET[/PREFIX]",
+    help="large messages through S3 in the SQS Extended Client's format "
+    "(?region=..&endpoint_url=.. optional)",
+)
+
+
+def _claim_check(url: str | None) -> config.ClaimCheckURL | None:
+    return _build(config.ClaimCheckURL.parse, url=url) if url else None
+
+
 def _daemon_options(f: F) -> F:
     for decorator in reversed(
         [
@@ -163,6 +176,14 @@ def _daemon_options(f: F) -> F:
                 default=None,
                 help="direct postgresql:// URL for LISTEN, when --database-url goes "
                 "through a pooler such as PgBouncer [default: --database-url]",
+            ),
+            _claim_check_option,
+            option(
+                "--claim-check-over",
+                default="256KiB",
+                show_default=True,
+                metavar="SIZE",
+                help="with --claim-check: bodies larger than this go to S3 (256KiB, 1MiB or bytes)",
             ),
         ]
     ):
@@ -459,11 +480,18 @@ def _shown(value: str) -> str:
 )
 @click.option("--all-dead", is_flag=True, help="every dead row")
 @click.option("--consumer", default=None, help="inbox only: only this consumer's rows")
+@_claim_check_option
 @_common
 def retry(
-    table: str, ids: tuple[str, ...], all_dead: bool, consumer: str | None, **kwargs: Any
+    table: str,
+    ids: tuple[str, ...],
+    all_dead: bool,
+    consumer: str | None,
+    claim_check: str | None,
+    **kwargs: Any,
 ) -> None:
-    """Put dead (or the given) rows back to pending with attempts reset."""
+    """Put dead (or the given) rows back to pending with attempts reset
+    (inbox rows kept as claim check pointers: their S3 object fetched first)."""
     _setup_logs(kwargs)
     from relay.api import retry as retry_rows
 
@@ -478,7 +506,16 @@ def retry(
             except ValueError:
                 _fail_config(ConfigError(f"invalid outbox id {row_id!r}: expected a UUID"))
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    count = _run(retry_rows(url, table, ids=ids, all_dead=all_dead, consumer=consumer))
+    count = _run(
+        retry_rows(
+            url,
+            table,
+            ids=ids,
+            all_dead=all_dead,
+            consumer=consumer,
+            claim_check=_claim_check(claim_check),
+        )
+    )
     click.echo(f"retried {count} {table} row{'s' if count != 1 else ''}")
 
 
@@ -543,14 +580,18 @@ def _filter_from(kwargs: dict[str, Any]) -> Any:
         _fail_config(exc)
 
 
-def _dead_run(work: Callable[[Any], Coroutine[Any, Any, Any]], database_url: str) -> Any:
+def _dead_run(
+    work: Callable[[Any], Coroutine[Any, Any, Any]],
+    database_url: str,
+    claim_check: config.ClaimCheckURL | None = None,
+) -> Any:
     """Run `work(DeadMessages)`: bad input exits 2, a row not found exits 1."""
     from relay.dead import DeadError, NotFound, open_dead
 
     url = _build(config.normalize_database_url, url=database_url)
 
     async def body() -> Any:
-        async with open_dead(url) as dead:
+        async with open_dead(url, claim_check) as dead:
             return await work(dead)
 
     try:
@@ -676,14 +717,18 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
     is_flag=True,
     help="every dead row that matches (needed when no filter and no --id is given)",
 )
+@_claim_check_option
 @_dead_filter
-def dead_retry(ids: tuple[str, ...], every: bool, **kwargs: Any) -> None:
-    """Put the dead rows that match back to pending with attempts reset."""
+def dead_retry(ids: tuple[str, ...], every: bool, claim_check: str | None, **kwargs: Any) -> None:
+    """Put the dead rows that match back to pending with attempts reset
+    (inbox rows kept as claim check pointers: their S3 object fetched first)."""
     where = _filter_from(kwargs)
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("retry which rows? give a filter, --id ID or --all"))
-    done = _dead_run(lambda d: d.retry(where, ids=ids), kwargs["database_url"])
+    done = _dead_run(
+        lambda d: d.retry(where, ids=ids), kwargs["database_url"], _claim_check(claim_check)
+    )
     click.echo(", ".join(f"retried {n} {t} row{'s' if n != 1 else ''}" for t, n in done.items()))
 
 
@@ -784,7 +829,8 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
     show_envvar=True,
     help="the token that allows changes (prefer the variable); unset: read only",
 )
-def console(**kwargs: Any) -> None:
+@_claim_check_option
+def console(claim_check: str | None, **kwargs: Any) -> None:
     """Serve the operator's web console: overview, dead messages, retry, edit, discard."""
     token = kwargs.pop("console_token") or None
     _setup_logs(kwargs)
@@ -796,6 +842,7 @@ def console(**kwargs: Any) -> None:
         host=kwargs["host"],
         port=kwargs["port"],
         token=token,
+        claim_check=_claim_check(claim_check),
     )
     sys.exit(_run(serve(settings)))
 

@@ -254,6 +254,82 @@ class BrokerURL:
         return f"BrokerURL({redact_url(self.url)!r})"
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
+_SIZE_UNITS = {"": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+DEFAULT_CLAIM_CHECK_OVER = 256 * 1024
+# S3 bucket names: 3-63 lowercase letters, digits, dots and hyphens.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def parse_size(text: str | int, what: str = "--claim-check-over") -> int:
+    """`256KiB`, `1MiB`, `1GiB` or plain bytes, as bytes (more than zero)."""
+    if isinstance(text, int):
+        size = text
+    else:
+        match = _SIZE.match(text)
+        if not match:
+            raise ConfigError(f"invalid {what} {text!r}: use bytes, or a size such as 256KiB, 1MiB")
+        size = int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    if size <= 0:
+        raise ConfigError(f"invalid {what} {text!r}: must be greater than zero")
+    return size
+
+
+@dataclass(frozen=True)
+class ClaimCheckURL:
+    """A parsed --claim-check: `s3://BUCKET[/PREFIX][?region=..&endpoint_url=..]`.
+
+    Region, endpoint and credentials are otherwise boto3's own resolution
+    (AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3, the credentials chain), as for SQS."""
+
+    url: str
+    bucket: str
+    prefix: str = ""  # without leading or trailing slashes
+    region: str | None = None
+    endpoint_url: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> ClaimCheckURL:
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError as exc:
+            raise ConfigError(f"invalid --claim-check {url!r}: {exc}") from None
+        if parts.scheme != "s3":
+            raise ConfigError(f"invalid --claim-check {url!r}: expected s3://BUCKET[/PREFIX]")
+        bucket = parts.netloc
+        if not _BUCKET.match(bucket) or ".." in bucket:
+            raise ConfigError(
+                f"invalid --claim-check {url!r}: {bucket!r} is not an S3 bucket name "
+                "(3-63 lowercase letters, digits, dots and hyphens)"
+            )
+        query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+        unknown = set(query) - {"region", "endpoint_url"}
+        if unknown:
+            raise ConfigError(
+                f"invalid --claim-check {url!r}: unknown parameter(s) "
+                f"{', '.join(sorted(unknown))}; s3:// takes region and endpoint_url"
+            )
+        endpoint = query.get("endpoint_url", [None])[-1] or None
+        if endpoint and not urllib.parse.urlsplit(endpoint).scheme.startswith("http"):
+            raise ConfigError(
+                f"invalid --claim-check endpoint_url {redact_url(endpoint)!r}: expected http(s)://"
+            )
+        prefix = urllib.parse.unquote(parts.path).strip("/")
+        if len(prefix.encode()) > 900:  # S3 keys: 1,024 bytes, the id's 36 included
+            raise ConfigError(f"invalid --claim-check {url!r}: the prefix is over 900 bytes")
+        return cls(
+            url=url,
+            bucket=bucket,
+            prefix=prefix,
+            region=query.get("region", [None])[-1] or None,
+            endpoint_url=endpoint,
+        )
+
+    def key(self, message_id: str) -> str:
+        """The object key of a message: PREFIX/<id>, or <id> with no prefix."""
+        return f"{self.prefix}/{message_id}" if self.prefix else message_id
+
+
 @dataclass(frozen=True)
 class DaemonSettings:
     """What both daemons share."""
@@ -272,6 +348,9 @@ class DaemonSettings:
     on_dead: str = "skip"
     # A direct PostgreSQL URL for LISTEN, when database_url is a pooler's.
     listen_url: str | None = None
+    # Large messages through S3 (relay.claimcheck); None: off.
+    claim_check: ClaimCheckURL | None = None
+    claim_check_over: int = DEFAULT_CLAIM_CHECK_OVER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", normalize_database_url(self.database_url))
@@ -296,6 +375,10 @@ class DaemonSettings:
             raise ConfigError(f"invalid --on-dead {self.on_dead!r}: use skip or block")
         if not self.exchange:
             raise ConfigError("invalid --exchange: must not be empty")
+        if isinstance(self.claim_check, str):
+            url = self.claim_check
+            object.__setattr__(self, "claim_check", ClaimCheckURL.parse(url) if url else None)
+        object.__setattr__(self, "claim_check_over", parse_size(self.claim_check_over))
 
     @property
     def secrets(self) -> list[str]:

@@ -24,6 +24,8 @@ from datetime import datetime
 from typing import Any
 
 from relay import storable
+from relay.claimcheck import Fetch, fetch_from
+from relay.config import ClaimCheckURL
 from relay.db import AsyncConnection, Store, retry_in
 from relay.db import dead as sql
 from relay.errors import Ambiguous, DeadError, NotFound
@@ -193,8 +195,12 @@ class DeadMessages:
     """Dead rows of one database. Use as `async with DeadMessages(url) as dead:`,
     or give it a Store that outlives it (the console's)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, fetch: Fetch | None = None) -> None:
         self.store = store
+        # Fetches the S3 object of an inbox row kept as a claim check
+        # pointer before it is retried (relay.db.store.retry_in); without
+        # it such rows stay dead, saying so.
+        self.fetch = fetch
 
     # -- reading ----------------------------------------------------------------
 
@@ -296,7 +302,7 @@ class DeadMessages:
             for table in where.tables():
                 count = 0
                 for consumer, chosen in (await self._select(conn, table, where, ids)).items():
-                    count += await _retry_rows(conn, table, chosen, consumer)
+                    count += await _retry_rows(conn, table, chosen, consumer, self.fetch)
                 done[table] = count
         return done
 
@@ -366,10 +372,14 @@ class DeadMessages:
 
 
 async def _retry_rows(
-    conn: AsyncConnection, table: str, ids: Sequence[str], consumer: str | None
+    conn: AsyncConnection,
+    table: str,
+    ids: Sequence[str],
+    consumer: str | None,
+    fetch: Fetch | None = None,
 ) -> int:
     """The store's RETRY statement (that of `relay retry`) on these rows, then a wake-up."""
-    return int(await retry_in(conn, table, ids=ids, all_dead=False, consumer=consumer))
+    return int(await retry_in(conn, table, ids=ids, all_dead=False, consumer=consumer, fetch=fetch))
 
 
 async def _discard_rows(
@@ -418,13 +428,23 @@ def _check_headers(text: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def open_dead(database_url: str) -> AsyncIterator[DeadMessages]:
-    """DeadMessages over a Store of its own, closed on exit."""
+async def open_dead(
+    database_url: str, claim_check: ClaimCheckURL | None = None
+) -> AsyncIterator[DeadMessages]:
+    """DeadMessages over a Store of its own, closed on exit; with
+    `claim_check`, retries fetch claim checked inbox rows' objects."""
     store = Store(database_url, pool_size=1)
+    objects = None
+    if claim_check is not None:
+        from relay.s3 import ObjectStore
+
+        objects = ObjectStore(claim_check)
     try:
-        yield DeadMessages(store)
+        yield DeadMessages(store, fetch_from(objects))
     finally:
         await store.close()
+        if objects is not None:
+            await objects.close()
 
 
 __all__ = [

@@ -12,6 +12,8 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_outbox_pending | gauge | pending rows in the table |
 | relay_outbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
 | relay_outbox_publish_seconds | histogram | claim of a batch to the broker's last confirm |
+| relay_outbox_claim_checked_total | counter | rows published by claim check (body stored in S3, pointer published) |
+| relay_outbox_claim_check_uploaded_bytes_total | counter | bytes of bodies stored in S3 by the claim check |
 | relay_inbox_received_total | counter | messages received from the broker |
 | relay_inbox_duplicates_total | counter | received messages already in the inbox |
 | relay_inbox_processed_total | counter | rows handled successfully |
@@ -22,6 +24,8 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_inbox_pending | gauge | pending rows in the table |
 | relay_inbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
 | relay_inbox_handler_seconds | histogram | one handler run |
+| relay_inbox_claim_checked_total | counter | received pointers whose body was fetched from S3 (claim check) |
+| relay_inbox_claim_check_downloaded_bytes_total | counter | bytes of bodies fetched from S3 by the claim check |
 | relay_table_dead_tuples{table} | gauge | the table's dead row versions (n_dead_tup) |
 | relay_table_last_vacuum_timestamp_seconds{table} | gauge | its last (auto)vacuum, Unix time |
 | relay_table_vacuums_total{table} | counter | VACUUMs relay itself ran of the table (churn) |
@@ -108,7 +112,22 @@ class OutboxMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.claim_checked = Counter(
+            "relay_outbox_claim_checked",
+            "Outbox rows published by claim check (body stored in S3, pointer published)",
+            registry=r,
+        )
+        self.claim_check_bytes = Counter(
+            "relay_outbox_claim_check_uploaded_bytes",
+            "Bytes of message bodies stored in S3 by the claim check",
+            registry=r,
+        )
         self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r)
+
+    def claim_check_sent(self, messages: int, uploaded: int) -> None:
+        """relay.s3.ClaimCheckPublisher's report of one batch."""
+        self.claim_checked.inc(messages)
+        self.claim_check_bytes.inc(uploaded)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -145,6 +164,16 @@ class InboxMetrics:
             "relay_inbox_handler_seconds",
             "Handler run time",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.claim_checked = Counter(
+            "relay_inbox_claim_checked",
+            "Received claim check pointers whose body was fetched from S3",
+            registry=r,
+        )
+        self.claim_check_bytes = Counter(
+            "relay_inbox_claim_check_downloaded_bytes",
+            "Bytes of message bodies fetched from S3 by the claim check",
             registry=r,
         )
         self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r)

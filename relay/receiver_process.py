@@ -98,6 +98,7 @@ class LocalReceiver:
     async def close(self) -> None:
         await self.consumer.close()
         await self.writer.close()
+        await self.receiver.close()
 
 
 # --------------------------------------------------------------------------
@@ -133,6 +134,8 @@ class Stored:
     received: int
     new: int
     dead: int
+    fetched: int = 0  # bodies fetched from S3 (claim check)
+    fetched_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,9 @@ class ReceiverProcess:
         if isinstance(message, Alive):
             self.connected = message.connected
         elif isinstance(message, Stored):
-            self.report(message.received, message.new, message.dead)
+            self.report(
+                message.received, message.new, message.dead, message.fetched, message.fetched_bytes
+            )
         elif isinstance(message, ConfigProblem):
             raise ConfigError(message.text)
         return True
@@ -305,9 +310,9 @@ async def _child(fd: int) -> int:
     logs.setup(*start.logging)
     gate = LeadGate(start.limit)
 
-    def report(received: int, new: int, dead: int) -> None:
+    def report(received: int, new: int, dead: int, fetched: int, fetched_bytes: int) -> None:
         gate.stored(new)
-        _send(writer, Stored(received, new, dead))
+        _send(writer, Stored(received, new, dead, fetched, fetched_bytes))
 
     try:
         await _receive_until_stopped(

@@ -12,9 +12,12 @@ module loads neither SQLAlchemy nor handler code, so the child stays small.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from relay import claimcheck
 from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
@@ -28,9 +31,12 @@ log = logging.getLogger("relay.inbox")
 
 # How long the receiver waits to fill a batch once a message has arrived.
 BATCH_WAIT = 0.005
+# Claim check bodies fetched and held at once (a batch is stored in parts).
+FETCHED_AT_ONCE = 4
 
-# (messages received, rows new to the table, new rows stored as dead)
-Report = Callable[[int, int, int], None]
+# (messages received, rows new to the table, new rows stored as dead,
+# messages whose body was fetched from S3 by claim check, bytes fetched)
+Report = Callable[[int, int, int, int, int], None]
 
 
 # --------------------------------------------------------------------------
@@ -72,6 +78,17 @@ class Receiver:
         self.report = report
         self.stopping = asyncio.Event()
         self.reconnect = reconnect_backoff()
+        self.fetch: claimcheck.Fetch | None = None
+        self._reader: Any = None
+        if settings.claim_check is not None:
+            from relay.s3 import ClaimCheckReader  # boto3, only when asked for
+
+            self._reader = ClaimCheckReader(settings.claim_check)
+            self.fetch = self._reader.fetch
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -101,14 +118,51 @@ class Receiver:
             await batches.aclose()
 
     async def store_batch(self, batch: Sequence[Incoming]) -> None:
-        """Insert and commit, then acknowledge. Holds on to the batch (unacked)
-        while the database is away, unless stopping."""
-        rows = [to_row(m) for m in batch]
+        """Fetch the bodies of claim check pointers, insert and commit, then
+        acknowledge. Holds on to the batch (unacked) while S3 or the database
+        is away, unless stopping.
+
+        A batch with claim check pointers is stored in parts of at most
+        FETCHED_AT_ONCE of them (relay.claimcheck.parts), so that no more
+        than that many large bodies are in memory at once; the batch is
+        acknowledged once every part is committed."""
+        stored: list[NewInboxRow] = []
+        new: set[str] = set()
+        fetched = fetched_bytes = 0
+        parts = claimcheck.parts(batch, FETCHED_AT_ONCE)
+        for part in parts:
+            resolved, count, size = await self._resolve(part)
+            fetched, fetched_bytes = fetched + count, fetched_bytes + size
+            rows = [to_row(m) for m in resolved]
+            new |= await self._store(resolved, rows)
+            if len(parts) == 1:  # the usual case: nothing to let go of early
+                stored = rows
+                break
+            # What the report needs, not the large bodies.
+            stored += [dataclasses.replace(row, payload=None, body=None) for row in rows]
+            del resolved, rows
+        await self.consumer.ack(batch)
+        dead = 0
+        for row in stored:
+            if row.status == "dead" and row.message_id in new:
+                dead += 1
+                log.warning(
+                    "stored as dead: %s",
+                    row.last_error,
+                    extra={
+                        "action": "received_dead",
+                        "message_id": row.message_id,
+                        "topic": row.topic,
+                    },
+                )
+        self.report(len(stored), len(new), dead, fetched, fetched_bytes)
+
+    async def _store(self, batch: Sequence[Incoming], rows: list[NewInboxRow]) -> set[str]:
+        """_insert, waiting out a database that is away (unless stopping)."""
         failures = 0
         while True:
             try:
-                new = await self._insert(batch, rows)
-                break
+                return await self._insert(batch, rows)
             except Unavailable as exc:
                 if self.stopping.is_set():
                     raise
@@ -122,21 +176,26 @@ class Receiver:
                     extra={"action": "store_wait"},
                 )
                 await sleep_unless(self.stopping, delay)
-        await self.consumer.ack(batch)
-        dead = 0
-        for row in rows:
-            if row.status == "dead" and row.message_id in new:
-                dead += 1
+
+    async def _resolve(self, batch: Sequence[Incoming]) -> tuple[list[Incoming], int, int]:
+        """relay.claimcheck.resolve, waiting out an S3 that cannot be reached
+        (as a database that is away: nothing is stored dead for it)."""
+        failures = 0
+        while True:
+            try:
+                return await claimcheck.resolve(batch, self.fetch)
+            except Unavailable as exc:
+                if self.stopping.is_set():
+                    raise
+                failures += 1
+                delay = self.reconnect.delay(failures)
                 log.warning(
-                    "stored as dead: %s",
-                    row.last_error,
-                    extra={
-                        "action": "received_dead",
-                        "message_id": row.message_id,
-                        "topic": row.topic,
-                    },
+                    "cannot fetch claim checked bodies: %s; retrying in %.1fs",
+                    exc,
+                    delay,
+                    extra={"action": "claim_check_wait"},
                 )
-        self.report(len(rows), len(new), dead)
+                await sleep_unless(self.stopping, delay)
 
     async def _insert(self, batch: Sequence[Incoming], rows: list[NewInboxRow]) -> set[str]:
         """Store the rows; a row PostgreSQL refuses (one statement fails for

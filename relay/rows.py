@@ -23,6 +23,10 @@ class OutboxRow:
     headers: str  # JSON object text
     created_at: datetime
     attempts: int
+    # Set by the claim check (relay.claimcheck): the payload is then its S3
+    # pointer, and this the size of the body stored in S3, which the
+    # publishers send as ExtendedPayloadSize.
+    extended_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -264,6 +264,8 @@ def to_row(message: Incoming) -> NewInboxRow:
         problems.append(
             f"the broker's message properties could not be decoded ({message.undecodable})"
         )
+    if message.unfetched:
+        problems.append(message.unfetched)
 
     message_id = dedup_key(message)
     if message.message_id:

@@ -26,7 +26,7 @@ from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
 from relay.lifecycle import STALL_AFTER, Daemon, Service, Started, run_together
 from relay.logs import with_log_context
 from relay.maintenance import run_scheduler
-from relay.metrics import InboxMetrics
+from relay.metrics import InboxMetrics, OutboxMetrics
 from relay.outbox import WORKERS, OutboxRelay
 from relay.pacing import PACE_BATCHES, Pace
 from relay.receiver_process import LocalReceiver, ReceiverProcess
@@ -51,10 +51,17 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     assert broker is not None
     tracing.setup("relay-outbox")
     store = Store(settings.database_url, pool_size=2)
+    metrics = OutboxMetrics()
     publisher = make_publisher(
-        broker, exchange=settings.exchange, on_unroutable=settings.on_unroutable, workers=WORKERS
+        broker,
+        exchange=settings.exchange,
+        on_unroutable=settings.on_unroutable,
+        workers=WORKERS,
+        claim_check=settings.claim_check,
+        claim_check_over=settings.claim_check_over,
+        on_claim_check=metrics.claim_check_sent,
     )
-    relay = OutboxRelay(settings, store, publisher)
+    relay = OutboxRelay(settings, store, publisher, metrics)
     probe_lock = asyncio.Lock()
 
     async def main(started: Started) -> None:
@@ -74,7 +81,12 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         async with probe_lock:
             if publisher.connected:
                 return True
-            probe = make_publisher(broker, exchange=settings.exchange, workers=WORKERS)
+            probe = make_publisher(
+                broker,
+                exchange=settings.exchange,
+                workers=WORKERS,
+                claim_check=settings.claim_check,
+            )
             try:
                 await probe.connect()
                 return True
@@ -161,11 +173,14 @@ def inbox_service(
             with contextlib.suppress(RuntimeError):
                 dispatcher.wake()
 
-    def stored(received: int, new: int, dead: int) -> None:
+    def stored(received: int, new: int, dead: int, fetched: int, fetched_bytes: int) -> None:
         """The receiver's report of one batch, stored and acknowledged."""
         metrics.received.inc(received)
         metrics.duplicates.inc(received - new)
         metrics.dead.inc(dead)
+        if fetched:
+            metrics.claim_checked.inc(fetched)
+            metrics.claim_check_bytes.inc(fetched_bytes)
         if new:
             pace.stored(new)
             wake_dispatcher()

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from relay.config import BrokerURL
+from relay.config import DEFAULT_CLAIM_CHECK_OVER, BrokerURL, ClaimCheckURL
 from relay.errors import BadMessage
 from relay.limits import MAX_JSON_DEPTH, json_depth
 from relay.rows import Failure, OutboxRow
@@ -75,6 +75,8 @@ class Incoming:
     original: Callable[[], dict[str, Any]] | None = None
     # Why the adapter could not decode the properties at all, if so.
     undecodable: str | None = None
+    # A claim check pointer whose object could not be read: why (relay.claimcheck).
+    unfetched: str | None = None
 
 
 class Consumer(Protocol):
@@ -154,18 +156,33 @@ def check_topic(row: OutboxRow) -> None:
 
 
 def make_publisher(
-    broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str = "publish"
+    broker: BrokerURL,
+    *,
+    exchange: str,
+    workers: int,
+    on_unroutable: str = "publish",
+    claim_check: ClaimCheckURL | None = None,
+    claim_check_over: int = DEFAULT_CLAIM_CHECK_OVER,
+    on_claim_check: Callable[[int, int], None] | None = None,
 ) -> Publisher:
-    """The publisher for `broker`, shared by `workers` outbox workers."""
+    """The publisher for `broker`, shared by `workers` outbox workers; with
+    `claim_check`, behind relay.s3's claim check (large bodies go to S3)."""
+    publisher: Publisher
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpPublisher
 
-        return AmqpPublisher(
+        publisher = AmqpPublisher(
             broker.nodes or broker.url, exchange=exchange, on_unroutable=on_unroutable
         )
-    from relay.brokers.sqs import SqsPublisher
+    else:
+        from relay.brokers.sqs import SqsPublisher
 
-    return SqsPublisher(broker, workers=workers)
+        publisher = SqsPublisher(broker, workers=workers)
+    if claim_check is None:
+        return publisher
+    from relay.s3 import ClaimCheckPublisher  # boto3, only when asked for
+
+    return ClaimCheckPublisher(publisher, claim_check, claim_check_over, on_claim_check)
 
 
 def make_consumer(

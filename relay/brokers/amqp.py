@@ -18,7 +18,7 @@ import functools
 import logging
 import re
 import ssl
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import aio_pika
@@ -41,6 +41,7 @@ from relay.brokers import (
 )
 from relay.brokers.aiormq_internals import ConfirmFrame, Returning
 from relay.brokers.amqp_wire import publish_frames, shortstr
+from relay.claimcheck import SIZE_ATTRIBUTE
 from relay.config import redact_url
 from relay.errors import BadMessage, BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
@@ -370,6 +371,9 @@ class AmqpPublisher(_Client):
         headers = row_headers(row)
         if row.key is not None:
             headers[KEY_HEADER] = row.key
+        table: Mapping[str, str | int] = headers
+        if row.extended_size is not None:  # the body is in S3 (relay.claimcheck)
+            table = {**headers, SIZE_ATTRIBUTE: row.extended_size}
         body = row_body(row)
         if len(body) > self.max_message_size:
             raise BadMessage(
@@ -385,7 +389,7 @@ class AmqpPublisher(_Client):
                 message_id=row.id,
                 type=row.type,
                 timestamp=row.created_at,
-                headers=headers,
+                headers=table,
                 max_content_size=self._max_content_size,
             )
         except ValueError as exc:  # a topic, type or header name over 255 bytes

@@ -35,6 +35,7 @@ _publish_head = struct.Struct(">HHH").pack(BASIC_CLASS, BASIC_PUBLISH, 0)
 _header_head = struct.Struct(">HHQH").pack
 _u32 = struct.Struct(">I").pack
 _u64 = struct.Struct(">Q").pack
+_i64 = struct.Struct(">q").pack
 _CONTENT_TYPE = b"\x10application/json"  # shortstr
 
 
@@ -45,10 +46,14 @@ def shortstr(value: str) -> bytes:
     return bytes((len(raw),)) + raw
 
 
-def string_table(table: Mapping[str, str]) -> bytes:
-    """An AMQP field table whose values are all long strings ('S')."""
+def string_table(table: Mapping[str, str | int]) -> bytes:
+    """An AMQP field table whose values are long strings ('S'), or 64-bit
+    integers ('l': the claim check's ExtendedPayloadSize)."""
     parts = []
     for name, value in table.items():
+        if isinstance(value, int):
+            parts.append(shortstr(name) + b"l" + _i64(value))
+            continue
         raw = value.encode("utf-8")
         parts.append(shortstr(name) + b"S" + _u32(len(raw)) + raw)
     body = b"".join(parts)
@@ -64,7 +69,7 @@ def publish_frames(
     message_id: str,
     type: str | None,
     timestamp: datetime,
-    headers: Mapping[str, str],
+    headers: Mapping[str, str | int],
     max_content_size: int,
     mandatory: bool = True,
 ) -> bytes:

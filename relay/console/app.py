@@ -39,7 +39,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from relay.config import parse_duration, redact_url
+from relay.claimcheck import fetch_from
+from relay.config import ClaimCheckURL, parse_duration, redact_url
 from relay.console import overview as overview_module
 from relay.console.views import age, pretty_json
 from relay.db import Store
@@ -80,6 +81,8 @@ class ConsoleSettings:
     host: str = "127.0.0.1"
     port: int = 8089
     token: str | None = None  # None: read only
+    # Where a retried inbox row kept as a claim check pointer finds its body.
+    claim_check: ClaimCheckURL | None = None
 
     def __post_init__(self) -> None:
         if not self.host.strip():
@@ -213,7 +216,12 @@ class Console:
         self.settings = settings
         self.guard = Guard(settings.token)
         self.store = store or Store(settings.database_url, pool_size=2)
-        self.dead = DeadMessages(self.store)
+        objects = None
+        if settings.claim_check is not None:
+            from relay.s3 import ObjectStore
+
+            objects = ObjectStore(settings.claim_check)
+        self.dead = DeadMessages(self.store, fetch_from(objects))
         self.env = _environment()
         self._schema_ok = False
 

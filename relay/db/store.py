@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import sqlalchemy as sa
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from relay.claimcheck import Fetch, read_pointer, where, without_size
 from relay.config import redact_url
 from relay.db import connect as pg
 from relay.db import schema
@@ -30,6 +32,9 @@ from relay.db.sql import claim, query
 from relay.errors import DatabaseUnavailable
 from relay.limits import clean_error
 from relay.rows import Failure, InboxRow
+from relay.storable import json_body
+
+log = logging.getLogger(__name__)
 
 # The engines' URL names only the dialect: each connect is given libpq's
 # own URL (see _connect_as_libpq).
@@ -418,11 +423,19 @@ class Store:
         return statuses
 
     async def retry(
-        self, table: str, *, ids: Sequence[str], all_dead: bool, consumer: str | None
+        self,
+        table: str,
+        *,
+        ids: Sequence[str],
+        all_dead: bool,
+        consumer: str | None,
+        fetch: Fetch | None = None,
     ) -> int:
         """Dead (or the given) rows back to pending with attempts reset; wakes the daemons."""
         async with self.transaction() as conn:
-            return await retry_in(conn, table, ids=ids, all_dead=all_dead, consumer=consumer)
+            return await retry_in(
+                conn, table, ids=ids, all_dead=all_dead, consumer=consumer, fetch=fetch
+            )
 
     # -- status --------------------------------------------------------------
 
@@ -486,13 +499,53 @@ async def retry_in(
     ids: Sequence[str],
     all_dead: bool,
     consumer: str | None = None,
+    fetch: Fetch | None = None,
 ) -> int:
     """The retry of `relay retry` in the caller's transaction: dead (or the
     given) rows back to pending with attempts reset, then a wake-up for the
-    daemons; returns how many rows."""
+    daemons; returns how many rows. Inbox rows kept as claim check pointers
+    get their object's bytes first (through `fetch`, relay.s3.fetch_object);
+    one that still cannot be read stays dead, with why in last_error."""
     params: dict[str, Any] = {"ids": list(ids), "all_dead": all_dead}
     if table == "inbox":
         params["consumer"] = consumer
+        await _fetch_claim_checks(conn, params, fetch)
     result = await conn.execute(named(f"retry_{table}"), params)
     await conn.execute(named("notify_wake"), {"channel": f"relay_{table}"})
     return result.rowcount
+
+
+async def _fetch_claim_checks(
+    conn: AsyncConnection, params: dict[str, Any], fetch: Fetch | None
+) -> None:
+    """Replace the pointer of each claim checked row about to be retried
+    with its object's bytes (relay.claimcheck); note why in last_error
+    where that cannot be done (the retry then leaves that row dead)."""
+    rows = (await conn.execute(named("inbox_claim_checks"), params)).all()
+    for consumer, message_id, payload, headers in rows:
+        pointer = read_pointer(payload)
+        where_ = {"consumer": consumer, "message_id": message_id}
+        if pointer is None:  # pointer-shaped in SQL, not by relay's reading: leave it
+            continue
+        data: bytes | str = (
+            await fetch(*pointer) if fetch is not None else "no --claim-check is configured"
+        )
+        problem = data if isinstance(data, str) else None
+        if isinstance(data, bytes):
+            text, problem = json_body(data)
+            if text is not None:
+                await conn.execute(
+                    named("inbox_claim_check_fetched"),
+                    {
+                        **where_,
+                        "payload": text,
+                        "headers": orjson.dumps(without_size(orjson.loads(headers))).decode(),
+                    },
+                )
+                continue
+        error = (
+            f"not retried: the message is a claim check pointer to {where(*pointer)}, "
+            f"whose object could not be read: {problem}"
+        )
+        log.warning("%s (message_id %r)", error, message_id)
+        await conn.execute(named("inbox_claim_check_unfetched"), {**where_, "error": error})

@@ -34,14 +34,15 @@ class Open:
 
 class Receiving:
     """A Receiver on a memory broker's queue "in" (bound to every topic);
-    `reports` holds what it reported per stored batch: (received, new, dead)."""
+    `reports` holds what it reported per stored batch: (received, new, dead,
+    fetched, fetched bytes)."""
 
     def __init__(self, database: str) -> None:
         self.broker = MemoryBroker()
         self.broker.bind("in", "#")
         self.consumer = self.broker.consumer("in")
         self.writer = InboxWriter(database)
-        self.reports: list[tuple[int, int, int]] = []
+        self.reports: list[tuple[int, int, int, int, int]] = []
         settings = InboxSettings(
             database_url=database, broker=BrokerURL.parse(AMQP_URL), queue="in", batch_size=10
         )
@@ -107,7 +108,7 @@ async def test_a_batch_lost_before_its_ack_comes_again_and_is_stored_once(
     # broker delivered it again, and the receiver found every row stored.
     await receiving.received(5)
     assert lost == [5]
-    assert receiving.reports == [(5, 0, 0)]  # received, new, dead
+    assert receiving.reports == [(5, 0, 0, 0, 0)]  # received, new, dead, fetched, bytes
     assert rows(engine, "SELECT count(*), count(DISTINCT message_id) FROM inbox") == [(5, 5)]
     assert not receiving.broker.queues["in"]  # nothing left to deliver
 

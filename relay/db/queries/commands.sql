@@ -6,9 +6,34 @@ UPDATE outbox SET status = 'pending', attempts = 0, available_at = now()
 WHERE (id = ANY(CAST(:ids AS uuid[])) OR (:all_dead AND status = 'dead'))
 
 -- name: retry_inbox
+-- A claim check pointer (relay.claimcheck) whose object was not fetched
+-- first (inbox_claim_checks) stays dead: a handler never sees the pointer.
 UPDATE inbox SET status = 'pending', attempts = 0, available_at = now()
 WHERE (message_id = ANY(:ids) OR (:all_dead AND status = 'dead'))
 AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer)
+AND NOT COALESCE(jsonb_typeof(payload) = 'array'
+  AND payload ->> 0 IN ('software.amazon.payloadoffloading.PayloadS3Pointer',
+                        'com.amazon.sqs.javamessaging.MessageS3Pointer')
+  AND headers ?| ARRAY['ExtendedPayloadSize', 'SQSLargePayloadSize'], false)
+
+-- name: inbox_claim_checks
+-- The rows `relay retry` would retry that hold a claim check pointer
+-- (kept as received when the object could not be read): fetched first.
+SELECT consumer, message_id, CAST(payload AS text), CAST(headers AS text) FROM inbox
+WHERE (message_id = ANY(:ids) OR (:all_dead AND status = 'dead'))
+AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer)
+AND COALESCE(jsonb_typeof(payload) = 'array'
+  AND payload ->> 0 IN ('software.amazon.payloadoffloading.PayloadS3Pointer',
+                        'com.amazon.sqs.javamessaging.MessageS3Pointer')
+  AND headers ?| ARRAY['ExtendedPayloadSize', 'SQSLargePayloadSize'], false)
+FOR UPDATE
+
+-- name: inbox_claim_check_fetched
+UPDATE inbox SET payload = CAST(:payload AS jsonb), headers = CAST(:headers AS jsonb)
+WHERE consumer = :consumer AND message_id = :message_id
+
+-- name: inbox_claim_check_unfetched
+UPDATE inbox SET last_error = :error WHERE consumer = :consumer AND message_id = :message_id
 
 -- name: notify_wake
 -- A wake-up for the daemons (relay_outbox, relay_inbox), as a producer's commit sends.
