@@ -349,7 +349,8 @@ def test_sqs_both_daemons_large_and_small_in_key_order(
     start_relay: Callable[..., RelayProcess],
     run_relay: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
-    queue = sqs.name("both")
+    # A FIFO queue: a standard one delivers in no order, to several receivers.
+    queue = sqs.name("both") + ".fifo"
     sqs.create(queue)
     ids = insert(effects, queue, SIZES)
     # The threshold by environment, and S3's endpoint from AWS_ENDPOINT_URL_S3.
