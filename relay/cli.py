@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from relay import config, logs
+from relay import __version__, config, logs
 from relay.errors import ConfigError, DatabaseUnavailable, SchemaError, SchemaNotReady
 from relay.lifecycle import EXIT_CONFIG, EXIT_FAILURE
 
@@ -210,7 +210,9 @@ def _daemon_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="relay")
+# The version relay carries (relay.__version__), not a distribution's metadata
+# looked up by name: the distribution is not named `relay` on the index.
+@click.version_option(version=__version__, prog_name="relay")
 def cli() -> None:
     """relay: transactional outbox and inbox daemons for PostgreSQL, RabbitMQ and SQS."""
 
