@@ -746,6 +746,64 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
     )
 
 
+# -- replay --------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("table", type=click.Choice(["outbox", "inbox"]))
+@click.option(
+    "--since",
+    default=None,
+    help="rows written at or after this: an ISO time (UTC unless it says otherwise) "
+    "or a duration back from now (90s, 30m, 2h, 7d)",
+)
+@click.option("--until", default=None, help="rows written before this (as --since)")
+@click.option(
+    "--topic",
+    default=None,
+    metavar="PATTERN",
+    help="rows whose topic matches, as a RabbitMQ binding: `*` one word, `#` zero or more",
+)
+@click.option("--type", "type_", default=None, help="rows of this message type")
+@click.option("--key", default=None, help="rows of this key")
+@click.option("--consumer", default=None, help="inbox only: this consumer's rows")
+@click.option("--dry-run", is_flag=True, help="print how many rows would move; change nothing")
+@_common
+def replay(
+    table: str,
+    since: str | None,
+    until: str | None,
+    topic: str | None,
+    type_: str | None,
+    key: str | None,
+    consumer: str | None,
+    dry_run: bool,
+    **kwargs: Any,
+) -> None:
+    """Put finished rows back to pending: published again (outbox, with their
+    ids) or handled again (inbox), in key order. Written on created_at (outbox)
+    or received_at (inbox); dead rows are not replayed (see `relay retry`)."""
+    _setup_logs(kwargs)
+    from relay.replay import ReplayFilter, parse_when, run
+
+    try:
+        where = ReplayFilter(
+            table=table,
+            since=parse_when(since) if since is not None else None,
+            until=parse_when(until) if until is not None else None,
+            topic=topic,
+            type=type_,
+            key=key,
+            consumer=consumer,
+        )
+    except ConfigError as exc:
+        _fail_config(exc)
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    count = _run(run(url, where, dry_run=dry_run))
+    rows = f"{count} {table} row{'s' if count != 1 else ''}"
+    click.echo(f"would replay {rows} (dry run: nothing changed)" if dry_run else f"replayed {rows}")
+
+
 @cli.command()
 @_common
 @option(

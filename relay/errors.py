@@ -126,3 +126,7 @@ class NotFound(DeadError):
 
 class Ambiguous(DeadError):
     """An id matches dead rows in more than one table or consumer."""
+
+
+class ReplayError(ConfigError):
+    """A replay asked for as it cannot be done: no filter, a bad time or pattern."""
