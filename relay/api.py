@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from relay.db import Store
+from relay.audit import Actor, record
+from relay.db import Store, retry_in
 
 
 async def apply_schema(database_url: str) -> list[str]:
@@ -43,12 +44,21 @@ async def retry(
     ids: Sequence[str] = (),
     all_dead: bool = False,
     consumer: str | None = None,
+    by: Actor | None = None,
 ) -> int:
-    """Put dead (or the given) rows back to pending with attempts reset; returns how many."""
+    """Put dead (or the given) rows back to pending with attempts reset; returns
+    how many. With `by`, the audit trail records it in the same transaction."""
     store = Store(database_url, pool_size=1)
     try:
         await store.check_schema()
-        return await store.retry(table, ids=ids, all_dead=all_dead, consumer=consumer)
+        async with store.transaction() as conn:
+            count = await retry_in(conn, table, ids=ids, all_dead=all_dead, consumer=consumer)
+            if by is not None:
+                chosen: dict[str, Any] = {"all_dead": True} if all_dead else {}
+                if consumer is not None:
+                    chosen["consumer"] = consumer
+                await record(conn, by, "retry", table=table, filter=chosen, ids=ids, count=count)
+            return count
     finally:
         await store.close()
 

@@ -159,6 +159,23 @@ def _daemon_options(f: F) -> F:
     return _common(f)
 
 
+def _as_option(f: F) -> F:
+    """`--as NAME`: who the audit trail records for a write command."""
+    return option(
+        "--as",
+        "as_name",
+        default=None,
+        metavar="NAME",
+        help="the name the audit trail records [default: the OS user]",
+    )(f)
+
+
+def _actor(kwargs: dict[str, Any]) -> Any:
+    from relay.audit import cli_actor
+
+    return cli_actor(kwargs.pop("as_name", None))
+
+
 def _setup_logs(kwargs: dict[str, Any]) -> None:
     secrets = [
         config.url_password(kwargs.get("database_url")),
@@ -442,11 +459,13 @@ def _shown(value: str) -> str:
 )
 @click.option("--all-dead", is_flag=True, help="every dead row")
 @click.option("--consumer", default=None, help="inbox only: only this consumer's rows")
+@_as_option
 @_common
 def retry(
     table: str, ids: tuple[str, ...], all_dead: bool, consumer: str | None, **kwargs: Any
 ) -> None:
     """Put dead (or the given) rows back to pending with attempts reset."""
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     from relay.api import retry as retry_rows
 
@@ -461,7 +480,7 @@ def retry(
             except ValueError:
                 _fail_config(ConfigError(f"invalid outbox id {row_id!r}: expected a UUID"))
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    count = _run(retry_rows(url, table, ids=ids, all_dead=all_dead, consumer=consumer))
+    count = _run(retry_rows(url, table, ids=ids, all_dead=all_dead, consumer=consumer, by=by))
     click.echo(f"retried {count} {table} row{'s' if count != 1 else ''}")
 
 
@@ -660,13 +679,15 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
     help="every dead row that matches (needed when no filter and no --id is given)",
 )
 @_dead_filter
+@_as_option
 def dead_retry(ids: tuple[str, ...], every: bool, **kwargs: Any) -> None:
     """Put the dead rows that match back to pending with attempts reset."""
     where = _filter_from(kwargs)
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("retry which rows? give a filter, --id ID or --all"))
-    done = _dead_run(lambda d: d.retry(where, ids=ids), kwargs["database_url"])
+    done = _dead_run(lambda d: d.retry(where, ids=ids, by=by), kwargs["database_url"])
     click.echo(", ".join(f"retried {n} {t} row{'s' if n != 1 else ''}" for t, n in done.items()))
 
 
@@ -684,6 +705,7 @@ def dead_retry(ids: tuple[str, ...], every: bool, **kwargs: Any) -> None:
 @click.option(
     "--retry/--no-retry", default=True, show_default=True, help="retry the row once edited"
 )
+@_as_option
 @_common
 def dead_edit(
     row_id: str,
@@ -695,11 +717,18 @@ def dead_edit(
     **kwargs: Any,
 ) -> None:
     """Replace a dead row's payload or headers, then retry it."""
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     payload, headers = _text_or_file(payload, "--payload"), _text_or_file(headers, "--headers")
     before = _dead_run(
         lambda d: d.edit(
-            row_id, table=table, consumer=consumer, payload=payload, headers=headers, retry=retry
+            row_id,
+            table=table,
+            consumer=consumer,
+            payload=payload,
+            headers=headers,
+            retry=retry,
+            by=by,
         ),
         kwargs["database_url"],
     )
@@ -731,13 +760,17 @@ def _text_or_file(value: str | None, flag: str) -> str | None:
 )
 @click.option("--reason", default=None, help="kept with the discarded rows")
 @_dead_filter
+@_as_option
 def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs: Any) -> None:
     """Delete the dead rows that match, each kept whole in relay_discarded."""
     where = _filter_from(kwargs)
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("discard which rows? give a filter, --id ID or --all"))
-    done = _dead_run(lambda d: d.discard(where, ids=ids, reason=reason), kwargs["database_url"])
+    done = _dead_run(
+        lambda d: d.discard(where, ids=ids, reason=reason, by=by), kwargs["database_url"]
+    )
     click.echo(
         ", ".join(
             f"discarded {n} {t} row{'s' if n != 1 else ''} (kept in relay_discarded)"
@@ -768,6 +801,7 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
 @click.option("--key", default=None, help="rows of this key")
 @click.option("--consumer", default=None, help="inbox only: this consumer's rows")
 @click.option("--dry-run", is_flag=True, help="print how many rows would move; change nothing")
+@_as_option
 @_common
 def replay(
     table: str,
@@ -783,6 +817,7 @@ def replay(
     """Put finished rows back to pending: published again (outbox, with their
     ids) or handled again (inbox), in key order. Written on created_at (outbox)
     or received_at (inbox); dead rows are not replayed (see `relay retry`)."""
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     from relay.replay import ReplayFilter, parse_when, run
 
@@ -799,9 +834,45 @@ def replay(
     except ConfigError as exc:
         _fail_config(exc)
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    count = _run(run(url, where, dry_run=dry_run))
+    count = _run(run(url, where, dry_run=dry_run, by=by))
     rows = f"{count} {table} row{'s' if count != 1 else ''}"
     click.echo(f"would replay {rows} (dry run: nothing changed)" if dry_run else f"replayed {rows}")
+
+
+# -- audit ---------------------------------------------------------------------------
+
+
+@cli.command()
+@_common
+@click.option("--json", "as_json", is_flag=True, help="print one JSON array")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="entries to print, newest first",
+)
+@click.option(
+    "--before", "before_id", type=click.IntRange(min=1), default=None, help="entries before this id"
+)
+def audit(as_json: bool, limit: int, before_id: int | None, **kwargs: Any) -> None:
+    """The audit trail, newest first: every write action of the console and the
+    CLI (retry, edit, discard, replay) and the console's refusals."""
+    _setup_logs(kwargs)
+    from relay.audit import run_list
+    from relay.console.views import describe_entry
+
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    entries = _run(run_list(url, limit=limit, before_id=before_id))
+    if as_json:
+        click.echo(json.dumps([e.to_json() for e in entries]))
+        return
+    for entry in entries:
+        click.echo(describe_entry(entry))
+    if not entries:
+        click.echo("the audit trail is empty", err=True)
+    elif len(entries) == limit:
+        click.echo(f"more entries: add --before {entries[-1].id}", err=True)
 
 
 @cli.command()

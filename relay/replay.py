@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from relay.audit import Actor, record
 from relay.config import parse_duration
 from relay.db import Store
 from relay.db import replay as sql
@@ -123,14 +124,24 @@ async def count(store: Store, where: ReplayFilter) -> int:
         return await sql.count(conn, where.table, where)
 
 
-async def replay(store: Store, where: ReplayFilter, *, hold_timeout: float = HOLD_TIMEOUT) -> int:
+async def replay(
+    store: Store,
+    where: ReplayFilter,
+    *,
+    by: Actor | None = None,
+    hold_timeout: float = HOLD_TIMEOUT,
+) -> int:
     """Move the matching finished rows back to pending; returns how many.
+    With `by`, the audit trail records it in the same transaction.
 
     Needs two connections of the store: the hold's and the replay's."""
     async with store.transaction() as held:
         await sql.hold(held, where.table, where)
         async with store.transaction() as conn:
             moved = await sql.move(conn, where.table, where)
+            if by is not None:
+                chosen = {k: v for k, v in where.describe().items() if k != "table"}
+                await record(conn, by, "replay", table=where.table, filter=chosen, count=moved)
         if not await sql.wait_out_older_statements(held, hold_timeout):
             log.warning(
                 "replay: statements older than the replay still ran after %.0fs; "
@@ -141,14 +152,16 @@ async def replay(store: Store, where: ReplayFilter, *, hold_timeout: float = HOL
     return moved
 
 
-async def run(database_url: str, where: ReplayFilter, *, dry_run: bool = False) -> int:
+async def run(
+    database_url: str, where: ReplayFilter, *, dry_run: bool = False, by: Actor | None = None
+) -> int:
     """`relay replay`: the count (dry run) or the replay, on a store of its own."""
     store = Store(database_url, pool_size=2)
     try:
         await store.check_schema()
         if dry_run:
             return await count(store, where)
-        return await replay(store, where)
+        return await replay(store, where, by=by)
     finally:
         await store.close()
 
