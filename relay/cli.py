@@ -894,11 +894,22 @@ def audit(as_json: bool, limit: int, before_id: int | None, **kwargs: Any) -> No
     "--console-token",
     default=None,
     show_envvar=True,
-    help="the token that allows changes (prefer the variable); unset: read only",
+    help="a token that allows every action, as one operator named `operator` "
+    "(prefer the variable); with neither this nor --console-tokens: read only",
+)
+@option(
+    "--console-tokens",
+    "tokens_file",
+    default=None,
+    metavar="FILE",
+    help="named operators, one a line: NAME ROLE SHA256-HEX-OF-TOKEN, ROLE viewer "
+    "(read only) or operator (every action); `#` starts a comment",
 )
 def console(**kwargs: Any) -> None:
-    """Serve the operator's web console: overview, dead messages, retry, edit, discard."""
+    """Serve the operator's web console: overview, dead messages, retry, edit,
+    discard, replay and the audit trail."""
     token = kwargs.pop("console_token") or None
+    tokens_file = kwargs.pop("tokens_file") or None
     _setup_logs(kwargs)
     from relay.console.app import ConsoleSettings, serve
 
@@ -908,6 +919,7 @@ def console(**kwargs: Any) -> None:
         host=kwargs["host"],
         port=kwargs["port"],
         token=token,
+        tokens_file=tokens_file,
     )
     sys.exit(_run(serve(settings)))
 
