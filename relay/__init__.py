@@ -19,7 +19,7 @@ __all__ = ["HandlerRegistry", "Message", "__version__", "enqueue", "enqueue_asyn
 # The one place the version is written: the build reads it from here
 # (pyproject.toml, [tool.hatch.version]) and `relay --version` prints it, so
 # it holds whatever the distribution is named on the index.
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The public names load on first use (PEP 562): they bring SQLAlchemy, which
 # the inbox's receiver process, importing only relay's light modules, does
