@@ -72,8 +72,10 @@ async def wait_out_older_statements(conn: AsyncConnection, timeout: float) -> bo
     now still runs on this database; False when some still did at the end."""
     since = await conn.scalar(named("replay_clock"))
     deadline = time.monotonic() + timeout
-    while await conn.scalar(named("replay_older_statements"), {"since": since}):
+    while True:
+        await conn.execute(named("replay_activity_fresh"))
+        if not await conn.scalar(named("replay_older_statements"), {"since": since}):
+            return True
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.01)
-    return True

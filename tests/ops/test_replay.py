@@ -325,3 +325,47 @@ async def test_a_replay_racing_a_retention_run_keeps_every_replayed_row(database
     assert moved == 50
     assert deleted == 0
     assert statuses(engine) == {"pending": 50}
+
+
+# -- the hold ----------------------------------------------------------------------
+
+
+async def test_the_hold_keeps_the_keys_pending_rows_until_older_statements_end(database, engine):
+    """While a statement that began before the replay committed still runs
+    (a claim reading the key in its old snapshot, here a sleep), the key's
+    pending rows stay locked, so such a claim skips them; once it ends, the
+    hold ends, not at its time-out."""
+    published(engine, 4, keys=1)  # key k0
+    rows(engine, "INSERT INTO outbox (topic, key, payload) VALUES ('orders.placed', 'k0', '{}')")
+    rows(engine, "INSERT INTO outbox (topic, key, payload) VALUES ('orders.placed', 'k9', '{}')")
+    plain = database.replace("postgresql+psycopg://", "postgresql://")
+    skip_locked = (
+        "SELECT key FROM outbox WHERE status = 'pending' AND attempts = 0 "
+        "AND published_at IS NULL AND payload = '{}' ORDER BY key FOR UPDATE SKIP LOCKED"
+    )
+
+    def older_statement() -> None:
+        with psycopg.connect(plain) as conn:
+            conn.execute("SELECT pg_sleep(1.5)")
+
+    def claimable() -> list[str]:
+        with psycopg.connect(plain) as conn:
+            return [r[0] for r in conn.execute(skip_locked)]
+
+    sleeper = asyncio.ensure_future(asyncio.to_thread(older_statement))
+    await asyncio.sleep(0.3)
+    store = Store(database, pool_size=2)
+    try:
+        started = time.monotonic()
+        replaying = asyncio.ensure_future(
+            replay(store, ReplayFilter(table="outbox", key="k0"), hold_timeout=10)
+        )
+        await until(lambda: statuses(engine).get("published") is None, message="committed")
+        assert await asyncio.to_thread(claimable) == ["k9"]  # k0's pending row is held
+        assert await replaying == 4
+        took = time.monotonic() - started
+        await sleeper
+    finally:
+        await store.close()
+    assert 0.5 < took < 3.0, took  # the sleep's end, not the hold's 10 s
+    assert await asyncio.to_thread(claimable) == ["k0", "k9"]

@@ -58,9 +58,17 @@ FROM chosen WHERE i.consumer = chosen.consumer AND i.message_id = chosen.message
 SELECT clock_timestamp()
 
 -- name: replay_older_statements
--- Statements on this database that began before :since and still run (the
--- claims the hold waits out). Sessions of other users show no state to
--- a user without pg_read_all_stats and are not counted.
+-- Statements of clients on this database that began before :since and
+-- still run (the claims the hold waits out). Not those waiting for an
+-- advisory lock: a worker waiting for its share's lock takes the claim's
+-- snapshot only once it has it. Sessions of other users show no state to a
+-- user without pg_read_all_stats and are not counted.
 SELECT count(*) FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
-  AND state = 'active' AND query_start < :since
+  AND backend_type = 'client backend' AND state = 'active' AND query_start < :since
+  AND wait_event IS DISTINCT FROM 'advisory'
+
+-- name: replay_activity_fresh
+-- pg_stat_activity is read once per transaction and kept: the hold polls
+-- it inside its transaction, so it asks for a fresh look each time.
+SELECT pg_stat_clear_snapshot()
