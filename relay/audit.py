@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection
-
-from relay.db import Store, named
+from relay.db import AsyncConnection, Store, named
 
 VIA = ("cli", "console")
 
