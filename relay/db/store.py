@@ -379,13 +379,6 @@ class Store:
             status: str | None = await conn.scalar(named("inbox_mark_hung"), params)
             return status
 
-    async def retry(
-        self, table: str, *, ids: Sequence[str], all_dead: bool, consumer: str | None
-    ) -> int:
-        """Dead (or the given) rows back to pending with attempts reset; wakes the daemons."""
-        async with self.transaction() as conn:
-            return await retry_in(conn, table, ids=ids, all_dead=all_dead, consumer=consumer)
-
     # -- status --------------------------------------------------------------
 
     async def status(self) -> dict[str, dict[str, Any]]:
