@@ -815,8 +815,9 @@ def replay(
     **kwargs: Any,
 ) -> None:
     """Put finished rows back to pending: published again (outbox, with their
-    ids) or handled again (inbox), in key order. Written on created_at (outbox)
-    or received_at (inbox); dead rows are not replayed (see `relay retry`)."""
+    ids) or handled again (inbox), in key order. --since and --until look at
+    created_at (outbox) or received_at (inbox); dead rows are not replayed
+    (see `relay retry`)."""
     by = _actor(kwargs)
     _setup_logs(kwargs)
     from relay.replay import ReplayFilter, parse_when, run
