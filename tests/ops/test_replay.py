@@ -301,22 +301,33 @@ async def test_a_replay_under_load_keeps_key_order_and_publishes_each_row_once(
 # -- racing a retention run ------------------------------------------------------------
 
 
-async def test_a_replay_racing_a_retention_run_keeps_every_replayed_row(database, engine):
-    """A retention delete that read the rows as published before the replay
+@pytest.mark.parametrize("table", ["outbox", "inbox"])
+async def test_a_replay_racing_a_retention_run_keeps_every_replayed_row(database, engine, table):
+    """A retention delete that read the rows as finished before the replay
     committed, and reaches them after: the rows it would delete are pending
     now, and it keeps them."""
-    published(engine, 50)
-    rows(engine, "UPDATE outbox SET published_at = now() - interval '2 days'")
-    url = database
-    plain = url.replace("postgresql+psycopg://", "postgresql://")
+    if table == "outbox":
+        published(engine, 50)
+        rows(engine, "UPDATE outbox SET published_at = now() - interval '2 days'")
+        where = ReplayFilter(table="outbox", topic="#")
+    else:
+        rows(
+            engine,
+            "INSERT INTO inbox (consumer, message_id, topic, payload, status, processed_at) "
+            "SELECT 'c', 'm-' || i, 't', '{}', 'processed', now() - interval '8 days' "
+            "FROM generate_series(1, 50) i",
+        )
+        where = ReplayFilter(table="inbox", consumer="c")
+    plain = database.replace("postgresql+psycopg://", "postgresql://")
     blocker = psycopg.connect(plain)
-    blocker.execute("SELECT id FROM outbox FOR KEY SHARE")  # holds the delete, not the replay
-    store = Store(url, pool_size=3)
+    # Holds the delete (which needs the rows' FOR UPDATE lock), not the replay.
+    blocker.execute(f"SELECT 1 FROM {table} FOR KEY SHARE")
+    store = Store(database, pool_size=3)
     try:
-        deleting = asyncio.ensure_future(delete_expired(store, "outbox", age=86400))
+        deleting = asyncio.ensure_future(delete_expired(store, table, age=86400))
         await asyncio.sleep(0.5)  # the delete has read the rows and waits on their locks
         assert not deleting.done()
-        moved = await replay(store, ReplayFilter(table="outbox", topic="#"), hold_timeout=0.2)
+        moved = await replay(store, where, hold_timeout=0.2)
         blocker.rollback()
         deleted = await deleting
     finally:
@@ -324,7 +335,7 @@ async def test_a_replay_racing_a_retention_run_keeps_every_replayed_row(database
         await store.close()
     assert moved == 50
     assert deleted == 0
-    assert statuses(engine) == {"pending": 50}
+    assert rows(engine, f"SELECT status, count(*) FROM {table} GROUP BY 1") == [("pending", 50)]
 
 
 # -- the hold ----------------------------------------------------------------------
