@@ -820,7 +820,7 @@ def replay(
     (see `relay retry`)."""
     by = _actor(kwargs)
     _setup_logs(kwargs)
-    from relay.replay import ReplayFilter, parse_when, run
+    from relay.replay import ReplayBusy, ReplayFilter, parse_when, run
 
     try:
         where = ReplayFilter(
@@ -835,7 +835,11 @@ def replay(
     except ConfigError as exc:
         _fail_config(exc)
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    count = _run(run(url, where, dry_run=dry_run, by=by))
+    try:
+        count = _run(run(url, where, dry_run=dry_run, by=by))
+    except ReplayBusy as exc:
+        click.echo(f"relay: error: {exc}", err=True)
+        sys.exit(EXIT_FAILURE)
     rows = f"{count} {table} row{'s' if count != 1 else ''}"
     click.echo(f"would replay {rows} (dry run: nothing changed)" if dry_run else f"replayed {rows}")
 

@@ -130,3 +130,8 @@ class Ambiguous(DeadError):
 
 class ReplayError(ConfigError):
     """A replay asked for as it cannot be done: no filter, a bad time or pattern."""
+
+
+class ReplayBusy(RelayError):
+    """A replay's keys stayed held by other transactions past its lock
+    timeout: nothing was replayed; try again."""

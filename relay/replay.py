@@ -27,7 +27,7 @@ from relay.audit import Actor, record
 from relay.config import parse_duration
 from relay.db import Store
 from relay.db import replay as sql
-from relay.errors import ConfigError, ReplayError
+from relay.errors import ConfigError, ReplayBusy, ReplayError
 
 log = logging.getLogger("relay.replay")
 
@@ -36,6 +36,9 @@ TABLES = ("outbox", "inbox")
 # committed (a claim takes milliseconds; a statement that runs longer is
 # someone else's, and waiting on it helps nothing).
 HOLD_TIMEOUT = 3.0
+# How long the hold waits for the batches that hold its keys' pending rows
+# (a batch takes milliseconds; an inbox handler up to --handler-timeout).
+LOCK_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -130,13 +133,16 @@ async def replay(
     *,
     by: Actor | None = None,
     hold_timeout: float = HOLD_TIMEOUT,
+    lock_timeout: float = LOCK_TIMEOUT,
 ) -> int:
     """Move the matching finished rows back to pending; returns how many.
-    With `by`, the audit trail records it in the same transaction.
+    With `by`, the audit trail records it in the same transaction. When the
+    keys' pending rows stay locked past `lock_timeout` seconds: ReplayBusy,
+    and nothing moved.
 
     Needs two connections of the store: the hold's and the replay's."""
     async with store.transaction() as held:
-        await sql.hold(held, where.table, where)
+        await sql.hold(held, where.table, where, lock_timeout)
         async with store.transaction() as conn:
             moved = await sql.move(conn, where.table, where)
             if by is not None:
@@ -166,4 +172,13 @@ async def run(
         await store.close()
 
 
-__all__ = ["ReplayError", "ReplayFilter", "count", "parse_when", "replay", "run", "topic_regex"]
+__all__ = [
+    "ReplayBusy",
+    "ReplayError",
+    "ReplayFilter",
+    "count",
+    "parse_when",
+    "replay",
+    "run",
+    "topic_regex",
+]

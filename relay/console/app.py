@@ -59,7 +59,13 @@ from relay.dead import (
     parse_cursor,
     summarize,
 )
-from relay.errors import ConfigError, DatabaseUnavailable, ReplayError, SchemaError
+from relay.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    ReplayBusy,
+    ReplayError,
+    SchemaError,
+)
 
 log = logging.getLogger("relay.console")
 
@@ -446,6 +452,8 @@ class Console:
             )
         except (DeadError, ReplayError) as exc:
             return self.problem(request, 400, "Not done", str(exc))
+        except ReplayBusy as exc:
+            return self.problem(request, 409, "Not done", str(exc))
         return self.problem(request, 400, "Unknown action", f"Unknown action {what!r}.")
 
     async def _one(self, request: Request, what: str, f: dict[str, str], by: Actor) -> Response:

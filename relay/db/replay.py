@@ -10,10 +10,13 @@ import asyncio
 import time
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from relay.db.errors import lock_not_available
 from relay.db.sql import query
 from relay.db.store import named, statement
+from relay.errors import ReplayBusy
 
 # The column a time range looks at: when the row was written.
 WRITTEN = {"outbox": "r.created_at", "inbox": "r.received_at"}
@@ -49,12 +52,23 @@ async def count(conn: AsyncConnection, table: str, where: Any) -> int:
     return int(await conn.scalar(statement(sql), params) or 0)
 
 
-async def hold(conn: AsyncConnection, table: str, where: Any) -> int:
+async def hold(conn: AsyncConnection, table: str, where: Any, timeout: float) -> int:
     """Lock the pending rows of the keys that have matching finished rows, in
-    the caller's transaction (see queries/replay.sql); returns how many."""
+    the caller's transaction (see queries/replay.sql), waiting `timeout`
+    seconds at most for the transactions that hold them (batches in flight),
+    else ReplayBusy; returns how many."""
     cond, params = condition(table, where)
     sql = query(f"replay_hold_{table}").format(where=cond)
-    return len((await conn.execute(statement(sql), params)).all())
+    await conn.execute(named("lock_timeout"), {"timeout": f"{round(timeout * 1000)}ms"})
+    try:
+        return len((await conn.execute(statement(sql), params)).all())
+    except sa.exc.DBAPIError as exc:
+        if exc.orig is not None and lock_not_available(exc.orig):
+            raise ReplayBusy(
+                f"the pending rows of the keys to replay stayed locked for {timeout:.0f} s "
+                "by other transactions: nothing was replayed; try again"
+            ) from None
+        raise
 
 
 async def move(conn: AsyncConnection, table: str, where: Any) -> int:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from relay.db import Store
 from relay.db.jobs import delete_expired
+from relay.errors import ReplayBusy
 from relay.replay import ReplayFilter, parse_when, replay, topic_regex
 from tests.conftest import effect_ids, insert_outbox, rows, until, wait_until
 
@@ -380,3 +381,19 @@ async def test_the_hold_keeps_the_keys_pending_rows_until_older_statements_end(d
         await store.close()
     assert 0.5 < took < 3.0, took  # the sleep's end, not the hold's 10 s
     assert await asyncio.to_thread(claimable) == ["k0", "k9"]
+
+
+async def test_a_replay_whose_keys_stay_held_moves_nothing_and_says_so(database, engine):
+    published(engine, 3, keys=1)
+    rows(engine, "INSERT INTO outbox (topic, key, payload) VALUES ('orders.placed', 'k0', '{}')")
+    plain = database.replace("postgresql+psycopg://", "postgresql://")
+    batch = psycopg.connect(plain)  # a batch in flight, holding the key's pending row
+    batch.execute("SELECT 1 FROM outbox WHERE status = 'pending' FOR UPDATE")
+    store = Store(database, pool_size=2)
+    try:
+        with pytest.raises(ReplayBusy, match="nothing was replayed"):
+            await replay(store, ReplayFilter(table="outbox", key="k0"), lock_timeout=0.3)
+    finally:
+        batch.close()
+        await store.close()
+    assert statuses(engine) == {"published": 3, "pending": 1}
