@@ -154,7 +154,7 @@ async def replay(
                 "the hold on the replayed keys' pending rows ends anyway",
                 hold_timeout,
             )
-    log.info("replayed %d %s rows", moved, where.table, extra={"action": "replay"})
+    log.debug("replayed %d %s rows", moved, where.table, extra={"action": "replay"})
     return moved
 
 
