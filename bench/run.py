@@ -46,6 +46,7 @@ from typing import Any
 
 import aio_pika
 
+import relay
 from bench import common, limits
 from bench.backlog import scenario_backlog, scenario_retention
 from bench.common import (
@@ -838,7 +839,7 @@ async def machine_info() -> dict[str, Any]:
         "nproc": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "relay": importlib.metadata.version("relay"),
+        "relay": relay.__version__,
         "aio_pika": importlib.metadata.version("aio-pika"),
         "psycopg": importlib.metadata.version("psycopg"),
         "sqlalchemy": importlib.metadata.version("sqlalchemy"),

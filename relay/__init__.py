@@ -14,7 +14,12 @@ if TYPE_CHECKING:
     from relay.handlers import HandlerRegistry, Message
     from relay.producer import enqueue, enqueue_async
 
-__all__ = ["HandlerRegistry", "Message", "enqueue", "enqueue_async"]
+__all__ = ["HandlerRegistry", "Message", "__version__", "enqueue", "enqueue_async"]
+
+# The one place the version is written: the build reads it from here
+# (pyproject.toml, [tool.hatch.version]) and `relay --version` prints it, so
+# it holds whatever the distribution is named on the index.
+__version__ = "0.2.0"
 
 # The public names load on first use (PEP 562): they bring SQLAlchemy, which
 # the inbox's receiver process, importing only relay's light modules, does

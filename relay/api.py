@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from relay.audit import Actor, record
 from relay.claimcheck import fetch_from
 from relay.config import ClaimCheckURL
-from relay.db import Store
+from relay.db import Store, retry_in
 
 
 async def apply_schema(database_url: str) -> list[str]:
@@ -46,10 +47,12 @@ async def retry(
     all_dead: bool = False,
     consumer: str | None = None,
     claim_check: ClaimCheckURL | None = None,
+    by: Actor | None = None,
 ) -> int:
     """Put dead (or the given) rows back to pending with attempts reset; returns how many.
     Inbox rows kept as claim check pointers get their S3 object first
-    (`claim_check` gives S3's region and endpoint; without it they stay dead)."""
+    (`claim_check` gives S3's region and endpoint; without it they stay dead).
+    With `by`, the audit trail records it in the same transaction."""
     store = Store(database_url, pool_size=1)
     objects = None
     if claim_check is not None:
@@ -58,13 +61,21 @@ async def retry(
         objects = ObjectStore(claim_check)
     try:
         await store.check_schema()
-        return await store.retry(
-            table,
-            ids=ids,
-            all_dead=all_dead,
-            consumer=consumer,
-            fetch=fetch_from(objects),
-        )
+        async with store.transaction() as conn:
+            count = await retry_in(
+                conn,
+                table,
+                ids=ids,
+                all_dead=all_dead,
+                consumer=consumer,
+                fetch=fetch_from(objects),
+            )
+            if by is not None:
+                chosen: dict[str, Any] = {"all_dead": True} if all_dead else {}
+                if consumer is not None:
+                    chosen["consumer"] = consumer
+                await record(conn, by, "retry", table=table, filter=chosen, ids=ids, count=count)
+            return count
     finally:
         await store.close()
         if objects is not None:

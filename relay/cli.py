@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from relay import config, logs
+from relay import __version__, config, logs
 from relay.errors import ConfigError, DatabaseUnavailable, SchemaError, SchemaNotReady
 from relay.lifecycle import EXIT_CONFIG, EXIT_FAILURE
 
@@ -191,6 +191,23 @@ def _daemon_options(f: F) -> F:
     return _common(f)
 
 
+def _as_option(f: F) -> F:
+    """`--as NAME`: who the audit trail records for a write command."""
+    return option(
+        "--as",
+        "as_name",
+        default=None,
+        metavar="NAME",
+        help="the name the audit trail records [default: the OS user]",
+    )(f)
+
+
+def _actor(kwargs: dict[str, Any]) -> Any:
+    from relay.audit import cli_actor
+
+    return cli_actor(kwargs.pop("as_name", None))
+
+
 def _setup_logs(kwargs: dict[str, Any]) -> None:
     """Logging as asked, with every secret masked; the password command
     installed for every connection this process opens."""
@@ -250,7 +267,9 @@ def _daemon_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="relay")
+# The version relay carries (relay.__version__), not a distribution's metadata
+# looked up by name: the distribution is not named `relay` on the index.
+@click.version_option(version=__version__, prog_name="relay")
 def cli() -> None:
     """relay: transactional outbox and inbox daemons for PostgreSQL, RabbitMQ and SQS."""
 
@@ -481,6 +500,7 @@ def _shown(value: str) -> str:
 @click.option("--all-dead", is_flag=True, help="every dead row")
 @click.option("--consumer", default=None, help="inbox only: only this consumer's rows")
 @_claim_check_option
+@_as_option
 @_common
 def retry(
     table: str,
@@ -492,6 +512,7 @@ def retry(
 ) -> None:
     """Put dead (or the given) rows back to pending with attempts reset
     (inbox rows kept as claim check pointers: their S3 object fetched first)."""
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     from relay.api import retry as retry_rows
 
@@ -514,6 +535,7 @@ def retry(
             all_dead=all_dead,
             consumer=consumer,
             claim_check=_claim_check(claim_check),
+            by=by,
         )
     )
     click.echo(f"retried {count} {table} row{'s' if count != 1 else ''}")
@@ -719,15 +741,19 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
 )
 @_claim_check_option
 @_dead_filter
+@_as_option
 def dead_retry(ids: tuple[str, ...], every: bool, claim_check: str | None, **kwargs: Any) -> None:
     """Put the dead rows that match back to pending with attempts reset
     (inbox rows kept as claim check pointers: their S3 object fetched first)."""
     where = _filter_from(kwargs)
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("retry which rows? give a filter, --id ID or --all"))
     done = _dead_run(
-        lambda d: d.retry(where, ids=ids), kwargs["database_url"], _claim_check(claim_check)
+        lambda d: d.retry(where, ids=ids, by=by),
+        kwargs["database_url"],
+        _claim_check(claim_check),
     )
     click.echo(", ".join(f"retried {n} {t} row{'s' if n != 1 else ''}" for t, n in done.items()))
 
@@ -746,6 +772,7 @@ def dead_retry(ids: tuple[str, ...], every: bool, claim_check: str | None, **kwa
 @click.option(
     "--retry/--no-retry", default=True, show_default=True, help="retry the row once edited"
 )
+@_as_option
 @_common
 def dead_edit(
     row_id: str,
@@ -757,11 +784,18 @@ def dead_edit(
     **kwargs: Any,
 ) -> None:
     """Replace a dead row's payload or headers, then retry it."""
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     payload, headers = _text_or_file(payload, "--payload"), _text_or_file(headers, "--headers")
     before = _dead_run(
         lambda d: d.edit(
-            row_id, table=table, consumer=consumer, payload=payload, headers=headers, retry=retry
+            row_id,
+            table=table,
+            consumer=consumer,
+            payload=payload,
+            headers=headers,
+            retry=retry,
+            by=by,
         ),
         kwargs["database_url"],
     )
@@ -793,19 +827,124 @@ def _text_or_file(value: str | None, flag: str) -> str | None:
 )
 @click.option("--reason", default=None, help="kept with the discarded rows")
 @_dead_filter
+@_as_option
 def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs: Any) -> None:
     """Delete the dead rows that match, each kept whole in relay_discarded."""
     where = _filter_from(kwargs)
+    by = _actor(kwargs)
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("discard which rows? give a filter, --id ID or --all"))
-    done = _dead_run(lambda d: d.discard(where, ids=ids, reason=reason), kwargs["database_url"])
+    done = _dead_run(
+        lambda d: d.discard(where, ids=ids, reason=reason, by=by), kwargs["database_url"]
+    )
     click.echo(
         ", ".join(
             f"discarded {n} {t} row{'s' if n != 1 else ''} (kept in relay_discarded)"
             for t, n in done.items()
         )
     )
+
+
+# -- replay --------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("table", type=click.Choice(["outbox", "inbox"]))
+@click.option(
+    "--since",
+    default=None,
+    help="rows written at or after this: an ISO time (UTC unless it says otherwise) "
+    "or a duration back from now (90s, 30m, 2h, 7d)",
+)
+@click.option("--until", default=None, help="rows written before this (as --since)")
+@click.option(
+    "--topic",
+    default=None,
+    metavar="PATTERN",
+    help="rows whose topic matches, as a RabbitMQ binding: `*` one word, `#` zero or more",
+)
+@click.option("--type", "type_", default=None, help="rows of this message type")
+@click.option("--key", default=None, help="rows of this key")
+@click.option("--consumer", default=None, help="inbox only: this consumer's rows")
+@click.option("--dry-run", is_flag=True, help="print how many rows would move; change nothing")
+@_as_option
+@_common
+def replay(
+    table: str,
+    since: str | None,
+    until: str | None,
+    topic: str | None,
+    type_: str | None,
+    key: str | None,
+    consumer: str | None,
+    dry_run: bool,
+    **kwargs: Any,
+) -> None:
+    """Put finished rows back to pending: published again (outbox, with their
+    ids) or handled again (inbox), in key order. --since and --until look at
+    created_at (outbox) or received_at (inbox); dead rows are not replayed
+    (see `relay retry`)."""
+    by = _actor(kwargs)
+    _setup_logs(kwargs)
+    from relay.replay import ReplayBusy, ReplayFilter, parse_when, run
+
+    try:
+        where = ReplayFilter(
+            table=table,
+            since=parse_when(since) if since is not None else None,
+            until=parse_when(until) if until is not None else None,
+            topic=topic,
+            type=type_,
+            key=key,
+            consumer=consumer,
+        )
+    except ConfigError as exc:
+        _fail_config(exc)
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    try:
+        count = _run(run(url, where, dry_run=dry_run, by=by))
+    except ReplayBusy as exc:
+        click.echo(f"relay: error: {exc}", err=True)
+        sys.exit(EXIT_FAILURE)
+    rows = f"{count} {table} row{'s' if count != 1 else ''}"
+    click.echo(f"would replay {rows} (dry run: nothing changed)" if dry_run else f"replayed {rows}")
+
+
+# -- audit ---------------------------------------------------------------------------
+
+
+@cli.command()
+@_common
+@click.option("--json", "as_json", is_flag=True, help="print one JSON array")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="entries to print, newest first",
+)
+@click.option(
+    "--before", "before_id", type=click.IntRange(min=1), default=None, help="entries before this id"
+)
+def audit(as_json: bool, limit: int, before_id: int | None, **kwargs: Any) -> None:
+    """The audit trail, newest first: every write action of the console and the
+    CLI (retry, edit, discard, replay) and the console's refusals."""
+    _setup_logs(kwargs)
+    from relay.audit import run_list
+    from relay.console.views import describe_entry
+
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    entries = _run(run_list(url, limit=limit, before_id=before_id))
+    if as_json:
+        click.echo(json.dumps([e.to_json() for e in entries]))
+        return
+    for entry in entries:
+        click.echo(describe_entry(entry))
+    if not entries:
+        click.echo("the audit trail is empty", err=True)
+    elif len(entries) == limit:
+        click.echo(f"more entries: add --before {entries[-1].id}", err=True)
 
 
 @cli.command()
@@ -827,12 +966,23 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
     "--console-token",
     default=None,
     show_envvar=True,
-    help="the token that allows changes (prefer the variable); unset: read only",
+    help="a token that allows every action, as one operator named `operator` "
+    "(prefer the variable); with neither this nor --console-tokens: read only",
+)
+@option(
+    "--console-tokens",
+    "tokens_file",
+    default=None,
+    metavar="FILE",
+    help="named operators, one a line: NAME ROLE SHA256-HEX-OF-TOKEN, ROLE viewer "
+    "(read only) or operator (every action); `#` starts a comment",
 )
 @_claim_check_option
 def console(claim_check: str | None, **kwargs: Any) -> None:
-    """Serve the operator's web console: overview, dead messages, retry, edit, discard."""
+    """Serve the operator's web console: overview, dead messages, retry, edit,
+    discard, replay and the audit trail."""
     token = kwargs.pop("console_token") or None
+    tokens_file = kwargs.pop("tokens_file") or None
     _setup_logs(kwargs)
     from relay.console.app import ConsoleSettings, serve
 
@@ -843,6 +993,7 @@ def console(claim_check: str | None, **kwargs: Any) -> None:
         port=kwargs["port"],
         token=token,
         claim_check=_claim_check(claim_check),
+        tokens_file=tokens_file,
     )
     sys.exit(_run(serve(settings)))
 

@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from relay import storable
+from relay.audit import Actor, edit_state, record
 from relay.claimcheck import Fetch, fetch_from
 from relay.config import ClaimCheckURL
 from relay.db import AsyncConnection, Store, retry_in
@@ -294,9 +295,12 @@ class DeadMessages:
 
     # -- changing -----------------------------------------------------------------
 
-    async def retry(self, where: DeadFilter, *, ids: Sequence[str] = ()) -> dict[str, int]:
+    async def retry(
+        self, where: DeadFilter, *, ids: Sequence[str] = (), by: Actor | None = None
+    ) -> dict[str, int]:
         """Dead rows matching `where` (and, when given, with these ids) back to
-        pending with attempts reset; returns how many per table."""
+        pending with attempts reset; returns how many per table. With `by`,
+        the audit trail records it in the same transaction."""
         done: dict[str, int] = {}
         async with self._transaction() as conn:
             for table in where.tables():
@@ -304,6 +308,7 @@ class DeadMessages:
                 for consumer, chosen in (await self._select(conn, table, where, ids)).items():
                     count += await _retry_rows(conn, table, chosen, consumer, self.fetch)
                 done[table] = count
+            await _audit(conn, by, "retry", where, ids, done)
         return done
 
     async def edit(
@@ -315,9 +320,12 @@ class DeadMessages:
         payload: str | None = None,
         headers: str | None = None,
         retry: bool = True,
+        by: Actor | None = None,
     ) -> DeadRow:
         """Replace a dead row's payload and/or headers (JSON texts), then retry it
-        (unless retry=False), in one transaction. Returns the row as it was."""
+        (unless retry=False), in one transaction. Returns the row as it was.
+        With `by`, the audit trail records it, the payload and headers before
+        and after, in the same transaction."""
         if payload is None and headers is None:
             raise DeadError("nothing to edit: give a payload or headers")
         new_payload = _check_payload(payload) if payload is not None else None
@@ -332,13 +340,37 @@ class DeadMessages:
                 raise NotFound(f"the row {row_id!r} is no longer dead")
             if retry:
                 await _retry_rows(conn, table, [row_id], consumer)
+            if by is not None:
+                old_headers = json.dumps(before.headers)
+                await record(
+                    conn,
+                    by,
+                    "edit",
+                    table=table,
+                    filter={"consumer": consumer} if consumer is not None else None,
+                    ids=[row_id],
+                    count=1,
+                    before=edit_state(before.payload_text, old_headers, before.body_text),
+                    after=edit_state(
+                        new_payload if new_payload is not None else before.payload_text,
+                        new_headers if new_headers is not None else old_headers,
+                        before.body_text,
+                    ),
+                    detail="edited and retried" if retry else "edited",
+                )
         return before
 
     async def discard(
-        self, where: DeadFilter, *, ids: Sequence[str] = (), reason: str | None = None
+        self,
+        where: DeadFilter,
+        *,
+        ids: Sequence[str] = (),
+        reason: str | None = None,
+        by: Actor | None = None,
     ) -> dict[str, int]:
         """Delete dead rows matching `where` (and these ids), each copied whole into
-        relay_discarded in the same transaction; returns how many per table."""
+        relay_discarded in the same transaction; returns how many per table.
+        With `by`, the audit trail records it in the same transaction."""
         done: dict[str, int] = {}
         async with self._transaction() as conn:
             for table in where.tables():
@@ -346,6 +378,7 @@ class DeadMessages:
                 for consumer, chosen in (await self._select(conn, table, where, ids)).items():
                     count += await _discard_rows(conn, table, chosen, consumer, reason)
                 done[table] = count
+            await _audit(conn, by, "discard", where, ids, done, reason)
         return done
 
     async def _select(
@@ -369,6 +402,31 @@ class DeadMessages:
     async def _transaction(self) -> AsyncIterator[AsyncConnection]:
         async with self.store.transaction() as conn:
             yield conn
+
+
+async def _audit(
+    conn: AsyncConnection,
+    by: Actor | None,
+    action: str,
+    where: DeadFilter,
+    ids: Sequence[str],
+    done: dict[str, int],
+    detail: str | None = None,
+) -> None:
+    """The trail's rows for a retry or discard (none without an actor): one
+    per table that had rows, or one saying that nothing matched."""
+    if by is None:
+        return
+    chosen = {
+        f.name: getattr(where, f.name)
+        for f in dataclasses.fields(where)
+        if f.name != "table" and getattr(where, f.name) is not None
+    }
+    counts: dict[str | None, int] = {t: n for t, n in done.items() if n} or {where.table: 0}
+    for table, count in counts.items():
+        await record(
+            conn, by, action, table=table, filter=chosen, ids=ids, count=count, detail=detail
+        )
 
 
 async def _retry_rows(

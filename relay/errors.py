@@ -126,3 +126,12 @@ class NotFound(DeadError):
 
 class Ambiguous(DeadError):
     """An id matches dead rows in more than one table or consumer."""
+
+
+class ReplayError(ConfigError):
+    """A replay asked for as it cannot be done: no filter, a bad time or pattern."""
+
+
+class ReplayBusy(RelayError):
+    """A replay's keys stayed held by other transactions past its lock
+    timeout: nothing was replayed; try again."""

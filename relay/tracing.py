@@ -1,6 +1,6 @@
 """OpenTelemetry spans for each outbox row sent and each inbox message handled.
 
-Optional: with the extra `relay[otel]` installed and OTEL_TRACES_EXPORTER
+Optional: with the extra `relay-outbox[otel]` installed and OTEL_TRACES_EXPORTER
 set (`console`, `otlp`, ...), the daemons configure the SDK from the
 standard OTEL_* variables, as `opentelemetry-instrument` would, and trace:
 
@@ -61,7 +61,7 @@ def setup(service: str) -> bool:
     except ImportError:
         log.warning(
             "OTEL_TRACES_EXPORTER is set but OpenTelemetry's SDK is not installed "
-            "(pip install 'relay[otel]'): no spans are exported"
+            "(pip install 'relay-outbox[otel]'): no spans are exported"
         )
         return False
     attributes = {}

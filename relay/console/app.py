@@ -2,10 +2,14 @@
 
 Safe by default:
 - it binds 127.0.0.1 unless told otherwise;
-- without RELAY_CONSOLE_TOKEN it is read only: every action answers 403;
-  with it, a person signs in with the token (kept as an HttpOnly,
-  SameSite=Strict cookie holding an HMAC of the token, never the token) or
-  a client sends `Authorization: Bearer TOKEN`;
+- without RELAY_CONSOLE_TOKEN or --console-tokens it is read only: every
+  action answers 403; with them, a person signs in with their token (kept
+  as an HttpOnly, SameSite=Strict cookie holding their name and an HMAC
+  keyed by the token's hash, never the token) or a client sends
+  `Authorization: Bearer TOKEN`; a `viewer` reads only, an `operator` may
+  act (relay.console.operators);
+- every action, and every refusal of a person it knows, is in the audit
+  trail (relay.audit) under the operator's name;
 - actions are POSTs only, and a cookie-signed POST must carry the form's
   CSRF field (an HMAC of the token) and come from this origin (Origin or
   Referer, when the browser sends them);
@@ -26,7 +30,7 @@ import logging
 import signal
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +43,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from relay import audit, replay
+from relay.audit import Actor
 from relay.claimcheck import fetch_from
 from relay.config import ClaimCheckURL, parse_duration, redact_url
+from relay.console import operators as operators_module
 from relay.console import overview as overview_module
-from relay.console.views import age, pretty_json
+from relay.console.operators import Operator
+from relay.console.views import age, entry_what, pretty_json
 from relay.db import Store
 from relay.dead import (
     DeadError,
@@ -52,7 +60,13 @@ from relay.dead import (
     parse_cursor,
     summarize,
 )
-from relay.errors import ConfigError, DatabaseUnavailable, SchemaError
+from relay.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    ReplayBusy,
+    ReplayError,
+    SchemaError,
+)
 
 log = logging.getLogger("relay.console")
 
@@ -62,6 +76,10 @@ PAGE_SIZE = 50
 COUNT_CAP = 10_000
 GROUP_NEWEST = 5_000
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+READ_ONLY = (
+    "The console is read only: start it with RELAY_CONSOLE_TOKEN or --console-tokens "
+    "set to allow changes."
+)
 
 SECURITY_HEADERS = {
     "content-security-policy": (
@@ -80,7 +98,9 @@ class ConsoleSettings:
     database_url: str
     host: str = "127.0.0.1"
     port: int = 8089
-    token: str | None = None  # None: read only
+    token: str | None = None  # RELAY_CONSOLE_TOKEN: one operator named `operator`
+    tokens_file: str | None = None  # --console-tokens
+    operators: tuple[Operator, ...] = field(init=False, default=())  # none: read only
     # Where a retried inbox row kept as a claim check pointer finds its body.
     claim_check: ClaimCheckURL | None = None
 
@@ -89,70 +109,90 @@ class ConsoleSettings:
             raise ConfigError("invalid --host: empty")
         if self.token is not None and not self.token.strip():
             raise ConfigError("RELAY_CONSOLE_TOKEN is blank: unset it (read only) or give one")
+        found = operators_module.load(self.tokens_file, self.token)
+        object.__setattr__(self, "operators", found)
 
     def __repr__(self) -> str:
         token = "set" if self.token else "unset"
         return (
             f"ConsoleSettings(database_url={redact_url(self.database_url)!r}, "
-            f"host={self.host!r}, port={self.port}, token={token})"
+            f"host={self.host!r}, port={self.port}, token={token}, "
+            f"operators={len(self.operators)})"
         )
 
 
 class Guard:
-    """Who may change things: the token, its session cookie and its CSRF field."""
+    """Who may change things: the operators, their session cookies and CSRF fields."""
 
-    def __init__(self, token: str | None) -> None:
-        self.token = token
+    def __init__(self, operators: tuple[Operator, ...]) -> None:
+        self.operators = operators
+        self.by_name = {op.name: op for op in operators}
 
-    def _mac(self, purpose: str) -> str:
-        assert self.token is not None
+    @staticmethod
+    def _mac(op: Operator, purpose: str) -> str:
+        # Keyed by the token's hash, which only the server holds: a cookie or
+        # CSRF field cannot be made without it, and a new token ends them.
         return hmac.new(
-            self.token.encode(), f"relay-console:{purpose}".encode(), hashlib.sha256
+            op.digest.encode(), f"relay-console:{purpose}:{op.name}".encode(), hashlib.sha256
         ).hexdigest()
 
     @property
     def writable(self) -> bool:
-        return self.token is not None
+        """Someone may sign in (whether they may act depends on their role)."""
+        return bool(self.operators)
 
-    def session_value(self) -> str:
-        return self._mac("session")
+    def session_value(self, op: Operator) -> str:
+        return urllib.parse.quote(op.name, safe="") + "." + self._mac(op, "session")
 
-    def csrf(self) -> str:
-        return self._mac("csrf") if self.token else ""
+    def csrf(self, op: Operator | None) -> str:
+        return self._mac(op, "csrf") if op is not None else ""
 
-    def token_matches(self, given: str) -> bool:
-        return self.token is not None and hmac.compare_digest(given.encode(), self.token.encode())
+    def find(self, token: str) -> Operator | None:
+        return operators_module.find(self.operators, token) if token else None
 
-    def bearer(self, request: Request) -> bool:
+    def bearer(self, request: Request) -> Operator | None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and self.token_matches(given.strip())
-
-    def signed_in(self, request: Request) -> bool:
-        if not self.writable:
-            return False
-        cookie = request.cookies.get(COOKIE, "")
-        return self.bearer(request) or hmac.compare_digest(
-            cookie.encode(), self.session_value().encode()
-        )
-
-    def refusal(self, request: Request, form: FormData) -> str | None:
-        """Why this POST may not change anything, or None when it may."""
-        if not self.writable:
-            return (
-                "The console is read only: start it with RELAY_CONSOLE_TOKEN set to allow changes."
-            )
-        if self.bearer(request):
+        if scheme.lower() != "bearer":
             return None
-        if not self.signed_in(request):
-            return "Sign in with the console token to change anything."
+        return self.find(given.strip())
+
+    def who(self, request: Request) -> Operator | None:
+        """The operator this request comes from (bearer token or session cookie)."""
+        if not self.writable:
+            return None
+        op = self.bearer(request)
+        if op is not None:
+            return op
+        quoted, _, mac = request.cookies.get(COOKIE, "").rpartition(".")
+        op = self.by_name.get(urllib.parse.unquote(quoted))
+        if op is None or not hmac.compare_digest(mac.encode(), self._mac(op, "session").encode()):
+            return None
+        return op
+
+    def refusal(self, request: Request, form: FormData) -> tuple[str | None, Operator | None]:
+        """Why this POST may not change anything (None when it may), and who sent it."""
+        if not self.writable:
+            return READ_ONLY, None
+        op = self.bearer(request)
+        if op is not None:
+            return (None if op.may_act else self._viewer(op)), op
+        op = self.who(request)
+        if op is None:
+            return "Sign in with your console token to change anything.", None
         if not same_origin(request):
-            return "Refused: the request came from another site."
+            return "Refused: the request came from another site.", op
+        if not op.may_act:
+            return self._viewer(op), op
         given = form.get("csrf")
         if not isinstance(given, str) or not hmac.compare_digest(
-            given.encode(), self.csrf().encode()
+            given.encode(), self.csrf(op).encode()
         ):
-            return "Refused: the form's CSRF field is missing or wrong; reload the page."
-        return None
+            return "Refused: the form's CSRF field is missing or wrong; reload the page.", op
+        return None, op
+
+    @staticmethod
+    def _viewer(op: Operator) -> str:
+        return f"Refused: {op.name} is a viewer, who may only read."
 
 
 def same_origin(request: Request) -> bool:
@@ -195,6 +235,7 @@ def _environment() -> jinja2.Environment:
     env.filters["age"] = age
     env.filters["pretty"] = pretty_json
     env.globals["chart"] = overview_module.chart
+    env.filters["what"] = entry_what
     return env
 
 
@@ -214,7 +255,7 @@ _FILTER_FIELDS = (
 class Console:
     def __init__(self, settings: ConsoleSettings, store: Store | None = None) -> None:
         self.settings = settings
-        self.guard = Guard(settings.token)
+        self.guard = Guard(settings.operators)
         self.store = store or Store(settings.database_url, pool_size=2)
         objects = None
         if settings.claim_check is not None:
@@ -230,12 +271,15 @@ class Console:
     def render(
         self, request: Request, name: str, status: int = 200, **context: Any
     ) -> HTMLResponse:
+        who = self.guard.who(request)
         context.update(
             request_path=request.url.path,
             here=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
             writable=self.guard.writable,
-            signed_in=self.guard.signed_in(request),
-            csrf=self.guard.csrf() if self.guard.signed_in(request) else "",
+            who=who,
+            # signed in with the right to act: the pages show their actions
+            signed_in=who is not None and who.may_act,
+            csrf=self.guard.csrf(who) if who is not None and who.may_act else "",
         )
         return HTMLResponse(self.env.get_template(name).render(**context), status_code=status)
 
@@ -358,14 +402,16 @@ class Console:
                 request,
                 403,
                 "Read only",
-                "The console is read only: start it with RELAY_CONSOLE_TOKEN set to allow changes.",
+                READ_ONLY,
             )
         if not same_origin(request):
             return self.problem(request, 403, "Refused", "The request came from another site.")
         given = form.get("token")
-        if not isinstance(given, str) or not self.guard.token_matches(given):
+        op = self.guard.find(given) if isinstance(given, str) else None
+        if op is None:
             log.warning("console: a sign-in with a wrong token")
-            return self.problem(request, 403, "Wrong token", "That is not the console token.")
+            return self.problem(request, 403, "Wrong token", "That is not a console token.")
+        log.info("console: %s signed in (%s)", op.name, op.role)
         back = form.get("next")
         target = (
             back
@@ -374,7 +420,7 @@ class Console:
         )
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(
-            COOKIE, self.guard.session_value(), httponly=True, samesite="strict", path="/"
+            COOKIE, self.guard.session_value(op), httponly=True, samesite="strict", path="/"
         )
         return response
 
@@ -388,17 +434,23 @@ class Console:
     async def action(self, request: Request) -> Response:
         await self.ensure_schema()
         form = await request.form()
-        why = self.guard.refusal(request, form)
-        if why is not None:
-            log.warning("console: refused an action: %s", why)
-            return self.problem(request, 403, "Not allowed", why)
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
         what = fields.get("action", "")
+        why, op = self.guard.refusal(request, form)
+        if why is not None:
+            log.warning("console: refused an action: %s", why)
+            if op is not None:  # a person it knows: the trail says who tried what
+                await audit.refused(self.store, Actor(op.name, "console"), what or "?", why)
+            return self.problem(request, 403, "Not allowed", why)
+        assert op is not None
+        by = Actor(op.name, "console")
         try:
             if what in ("retry", "discard", "edit") and fields.get("id"):
-                return await self._one(request, what, fields)
+                return await self._one(request, what, fields, by)
             if what in ("retry-all", "discard-all"):
-                return await self._many(request, what, fields)
+                return await self._many(request, what, fields, by)
+            if what == "replay":
+                return await self._replay(request, fields, by)
         except NotFound as exc:
             return self.problem(
                 request,
@@ -406,11 +458,13 @@ class Console:
                 "Not found",
                 f"{exc}: it may have been retried or discarded meanwhile.",
             )
-        except DeadError as exc:
+        except (DeadError, ReplayError) as exc:
             return self.problem(request, 400, "Not done", str(exc))
+        except ReplayBusy as exc:
+            return self.problem(request, 409, "Not done", str(exc))
         return self.problem(request, 400, "Unknown action", f"Unknown action {what!r}.")
 
-    async def _one(self, request: Request, what: str, f: dict[str, str]) -> Response:
+    async def _one(self, request: Request, what: str, f: dict[str, str], by: Actor) -> Response:
         table, row_id = f.get("table") or None, f["id"]
         consumer = f.get("consumer") or None
         row = await self.dead.get(row_id, table=table, consumer=consumer)
@@ -428,13 +482,14 @@ class Console:
         s = row.summary
         name = f"{s.table} row {s.id}" + (f" of consumer {s.consumer}" if s.consumer else "")
         if what == "retry":
-            await self.dead.retry(DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id])
+            await self.dead.retry(DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id], by=by)
             done = f"Retried {name}: it is pending again, with attempts reset."
         elif what == "discard":
             await self.dead.discard(
                 DeadFilter(table=s.table, consumer=s.consumer),
                 ids=[s.id],
                 reason=f.get("reason") or "discarded in the console",
+                by=by,
             )
             done = f"Discarded {name}; a copy is kept in relay_discarded."
         else:
@@ -448,6 +503,7 @@ class Console:
                 consumer=s.consumer,
                 payload=payload or None,
                 headers=headers or None,
+                by=by,
             )
             done = f"Edited and retried {name}: it is pending again, with attempts reset."
         log.info("console: %s", done)
@@ -459,7 +515,7 @@ class Console:
             back_url="/dead?" + urllib.parse.urlencode({"table": s.table}),
         )
 
-    async def _many(self, request: Request, what: str, f: dict[str, str]) -> Response:
+    async def _many(self, request: Request, what: str, f: dict[str, str], by: Actor) -> Response:
         values = {k: (f.get(k) or None) for k in _FILTER_FIELDS}
         where = _filter(values)
         counts = await self.dead.count(where)  # exact: the person confirms this number
@@ -475,11 +531,11 @@ class Console:
                 filters={k: v for k, v in values.items() if v is not None},
             )
         if what == "retry-all":
-            done_counts = await self.dead.retry(where)
+            done_counts = await self.dead.retry(where, by=by)
             verb = "Retried"
         else:
             done_counts = await self.dead.discard(
-                where, reason=f.get("reason") or "discarded in the console"
+                where, reason=f.get("reason") or "discarded in the console", by=by
             )
             verb = "Discarded"
         parts = [f"{n} {t} row{'s' if n != 1 else ''}" for t, n in done_counts.items()]
@@ -488,6 +544,53 @@ class Console:
             done += " Copies are kept in relay_discarded."
         log.info("console: %s", done)
         return self.render(request, "done.html", title="Done", text=done, back_url="/dead")
+
+    async def _replay(self, request: Request, f: dict[str, str], by: Actor) -> Response:
+        where = _replay_filter(f)
+        count = await replay.count(self.store, where)  # the person confirms this number
+        shown = {k: v for k, v in where.describe().items() if k != "table"}
+        if f.get("confirm") != "yes":
+            return self.render(
+                request,
+                "confirm.html",
+                title="Confirm",
+                action="replay",
+                row=None,
+                fields=f,
+                count=count,
+                filters=shown,
+                table=where.table,
+            )
+        moved = await replay.replay(self.store, where, by=by)
+        again = "published" if where.table == "outbox" else "handled"
+        done = (
+            f"Replayed {moved} {where.table} row{'s' if moved != 1 else ''}: pending again, "
+            f"to be {again} again in their key's order."
+        )
+        log.info("console: %s (%s)", done, by.name)
+        return self.render(request, "done.html", title="Done", text=done, back_url="/replay")
+
+    async def replay_page(self, request: Request) -> Response:
+        await self.ensure_schema()
+        return self.render(request, "replay.html", title="Replay")
+
+    async def audit_page(self, request: Request) -> Response:
+        await self.ensure_schema()
+        before = request.query_params.get("before") or None
+        if before is not None and not before.isdigit():
+            return self.problem(request, 400, "Bad cursor", f"invalid cursor {before!r}")
+        entries = await audit.entries(
+            self.store, limit=PAGE_SIZE, before_id=int(before) if before else None
+        )
+        next_url = f"/audit?before={entries[-1].id}" if len(entries) == PAGE_SIZE else None
+        return self.render(
+            request,
+            "audit.html",
+            title="Audit trail",
+            entries=entries,
+            next_url=next_url,
+            first_url="/audit" if before else None,
+        )
 
     # -- the app -----------------------------------------------------------------------
 
@@ -517,6 +620,8 @@ class Console:
                 Route("/message", self.message),
                 Route("/edit", self.message),
                 Route("/keys", self.keys),
+                Route("/replay", self.replay_page),
+                Route("/audit", self.audit_page),
                 Route("/login", self.login, methods=["POST"]),
                 Route("/logout", self.logout, methods=["POST"]),
                 Route("/action", self.action, methods=["POST"]),
@@ -549,6 +654,19 @@ def _filter(values: dict[str, str | None]) -> DeadFilter:
     )
 
 
+def _replay_filter(f: dict[str, str]) -> replay.ReplayFilter:
+    """The replay a form asked for; ReplayError for bad input."""
+    when = {k: replay.parse_when(f[k]) if f.get(k) else None for k in ("since", "until")}
+    return replay.ReplayFilter(
+        table=f.get("table") or "",
+        topic=f.get("topic") or None,
+        type=f.get("type") or None,
+        key=f.get("key") or None,
+        consumer=f.get("consumer") or None,
+        **when,
+    )
+
+
 def _message_url(row: Any) -> str:
     params = {"table": row.table, "id": row.id}
     if row.consumer is not None:
@@ -565,7 +683,13 @@ async def serve(settings: ConsoleSettings) -> int:
     """Serve the console until SIGTERM or SIGINT; returns the exit status."""
     import uvicorn
 
-    mode = "changes need the console token" if settings.token else "read only"
+    acting = [op.name for op in settings.operators if op.may_act]
+    mode = (
+        f"{len(settings.operators)} operator(s); changes need the token of one of: "
+        + ", ".join(acting)
+        if acting
+        else ("read only (viewers only)" if settings.operators else "read only")
+    )
     if settings.host not in _LOOPBACK:
         log.warning("console: serving on %s, not only on this machine", settings.host)
     config = uvicorn.Config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from relay.audit import Entry
 from relay.dead import DeadRow
 
 
@@ -55,6 +56,36 @@ def describe_row(row: DeadRow) -> str:
     if row.raw_properties is not None:
         lines += ["raw properties:", _indent(row.raw_properties)]
     lines += ["last_error:", _indent(row.last_error)]
+    return "\n".join(lines)
+
+
+def entry_what(entry: Entry) -> str:
+    """What an audit entry did, in one line: the action, table, count, the
+    filter and ids (the console's page shows the same)."""
+    parts = [entry.action]
+    if entry.table:
+        parts.append(entry.table)
+    if entry.count is not None:
+        parts.append(f"{entry.count} row{'s' if entry.count != 1 else ''}")
+    if entry.filter:
+        parts.append("filter " + " ".join(f"{k}={v}" for k, v in entry.filter.items()))
+    if entry.ids:
+        shown = ", ".join(entry.ids[:10])
+        more = f" and {len(entry.ids) - 10} more" if len(entry.ids) > 10 else ""
+        parts.append(f"ids {shown}{more}")
+    if entry.detail:
+        parts.append(f"({entry.detail})")
+    return "  ".join(parts)
+
+
+def describe_entry(entry: Entry) -> str:
+    """An audit entry for a terminal: one line, then an edit's before and after."""
+    line = f"{entry.at:%Y-%m-%d %H:%M:%S%z}  #{entry.id}  {entry.actor} ({entry.via})  "
+    lines = [line + entry_what(entry)]
+    for name in ("before", "after"):
+        value = getattr(entry, name)
+        if value is not None:
+            lines += [f"  {name}:", _indent(_indent(pretty_json(value)))]
     return "\n".join(lines)
 
 

@@ -85,6 +85,24 @@ discarded = sa.Table(
     ),
 )
 
+# The audit trail (schema/005_audit.sql, relay.audit).
+audit = sa.Table(
+    "relay_audit",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("via", sa.Text, nullable=False),
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("target", sa.Text),
+    sa.Column("filter", JSONB),
+    sa.Column("ids", JSONB),
+    sa.Column("count", sa.BigInteger),
+    sa.Column("before", JSONB),
+    sa.Column("after", JSONB),
+    sa.Column("detail", sa.Text),
+)
+
 VERSION_TABLE_DDL = query("schema_version_table") + "\n"
 
 # Any constant works; this one spells "rely" and keeps clear of app locks.

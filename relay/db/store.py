@@ -422,21 +422,6 @@ class Store:
                     statuses.append(status)
         return statuses
 
-    async def retry(
-        self,
-        table: str,
-        *,
-        ids: Sequence[str],
-        all_dead: bool,
-        consumer: str | None,
-        fetch: Fetch | None = None,
-    ) -> int:
-        """Dead (or the given) rows back to pending with attempts reset; wakes the daemons."""
-        async with self.transaction() as conn:
-            return await retry_in(
-                conn, table, ids=ids, all_dead=all_dead, consumer=consumer, fetch=fetch
-            )
-
     # -- status --------------------------------------------------------------
 
     async def status(self) -> dict[str, dict[str, Any]]:

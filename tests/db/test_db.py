@@ -235,7 +235,7 @@ def test_query_files_ship_in_the_wheel_and_are_found_there(tmp_path):
     )
     if built.returncode != 0:
         pytest.skip(f"cannot build a wheel here: {built.stderr[-300:]}")
-    wheel = next(tmp_path.glob("relay-*.whl"))
+    wheel = next(tmp_path.glob("relay_outbox-*.whl"))
     installed = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:
         shipped = {n for n in archive.namelist() if n.startswith("relay/db/queries/")}

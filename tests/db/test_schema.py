@@ -95,6 +95,22 @@ def test_apply_creates_the_tables_then_is_idempotent(empty_database):
     assert {"outbox", "inbox", "relay_schema_version"} <= tables
 
 
+def test_apply_upgrades_a_version_4_database_with_the_audit_trail(database):
+    """A database of the release before the audit trail: apply adds it, once."""
+    with psycopg.connect(libpq(database), autocommit=True) as conn:
+        conn.execute("DROP TABLE relay_audit")
+        conn.execute("DELETE FROM relay_schema_version WHERE version >= 5")
+        conn.execute("INSERT INTO outbox (topic, payload) VALUES ('t', '{}')")
+    first = relay_cli("schema", "apply", database_url=database)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "applied: 005_audit"
+    second = relay_cli("schema", "apply", database_url=database)
+    assert second.stdout.strip() == "schema is up to date"
+    with psycopg.connect(libpq(database)) as conn:
+        assert conn.execute("SELECT count(*) FROM relay_audit").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (1,)
+
+
 def test_three_concurrent_applies_all_succeed_once(empty_database):
     procs = [
         subprocess.Popen(
@@ -253,22 +269,7 @@ CONTRACT_DEFAULTS = {
     ids=["outbox", "inbox"],
 )
 def test_core_table_matches_the_database_and_the_contract(engine, table, contract):
-    inspector = sa.inspect(engine)
-    reflected = {c["name"]: c for c in inspector.get_columns(table.name)}
-    declared = {c.name: c for c in table.columns}
-
-    assert set(declared) == set(reflected)
-    for name, column in declared.items():
-        db = reflected[name]
-        assert family(column.type) == family(db["type"]), name
-        assert column.nullable == db["nullable"], name
-        # A column the database fills in has a default in both descriptions.
-        db_fills = db["default"] is not None or db.get("identity") is not None
-        core_fills = column.server_default is not None or column.identity is not None
-        assert core_fills == db_fills, name
-
-    pk = inspector.get_pk_constraint(table.name)["constrained_columns"]
-    assert sorted(pk) == sorted(c.name for c in table.primary_key.columns)
+    reflected, pk = matches_the_database(engine, table)
     assert sorted(pk) == sorted(CONTRACT_PKS[table.name])
 
     for name, (kind, nullable) in contract.items():
@@ -280,6 +281,32 @@ def test_core_table_matches_the_database_and_the_contract(engine, table, contrac
         assert default in (reflected[name]["default"] or ""), (name, reflected[name]["default"])
     if table.name == "outbox":
         assert reflected["seq"].get("identity") is not None
+
+
+def matches_the_database(engine: sa.Engine, table: sa.Table) -> tuple[dict[str, Any], list[str]]:
+    """Assert a Core table has the columns (types, nullability, defaults) and
+    primary key of the database's; returns the reflected columns and key."""
+    inspector = sa.inspect(engine)
+    reflected = {c["name"]: c for c in inspector.get_columns(table.name)}
+    declared = {c.name: c for c in table.columns}
+    assert set(declared) == set(reflected)
+    for name, column in declared.items():
+        db = reflected[name]
+        assert family(column.type) == family(db["type"]), name
+        assert column.nullable == db["nullable"], name
+        # A column the database fills in has a default in both descriptions.
+        db_fills = db["default"] is not None or db.get("identity") is not None
+        core_fills = column.server_default is not None or column.identity is not None
+        assert core_fills == db_fills, name
+    pk = inspector.get_pk_constraint(table.name)["constrained_columns"]
+    assert sorted(pk) == sorted(c.name for c in table.primary_key.columns)
+    return reflected, pk
+
+
+@pytest.mark.parametrize("table", list(schema.metadata.tables.values()), ids=lambda t: t.name)
+def test_every_core_table_matches_the_database(engine, table):
+    """relay's own tables too (relay_discarded, relay_audit)."""
+    matches_the_database(engine, table)
 
 
 def test_check_constraints_reject_an_unknown_status(engine):

@@ -53,10 +53,15 @@ async def browser() -> AsyncIterator[Any]:
 @pytest.fixture
 def console_url(start_relay: Any) -> str:
     """`relay console` with a token, as an operator starts it."""
+    return serve_console(start_relay, env={"RELAY_CONSOLE_TOKEN": TOKEN})
+
+
+def serve_console(start_relay: Any, *args: str, env: dict[str, str] | None = None) -> str:
+    """Start `relay console` on a free port; its URL once it answers."""
     import urllib.request
 
     port = free_port()
-    proc = start_relay("console", "--port", str(port), env={"RELAY_CONSOLE_TOKEN": TOKEN})
+    proc = start_relay("console", "--port", str(port), *args, env=env)
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -164,6 +169,8 @@ async def test_every_page_fits_a_390_px_phone(engine, browser, console_url):
         f"/message?table=outbox&id={row_id}",
         f"/edit?table=outbox&id={row_id}",
         "/message?table=inbox&id=nope",
+        "/replay",
+        "/audit",
     ]
     for path in paths:
         await page.goto(console_url + path)
@@ -200,3 +207,65 @@ async def test_retry_a_non_json_inbox_message_until_its_handler_processed_it(
     card = page.locator("section.card", has_text="inbox · " + daemon.queue)
     assert "processed, last hour 1" in " ".join((await card.inner_text()).split())
     assert rows(effects, "SELECT status FROM inbox WHERE message_id = 'raw-7'") == [("processed",)]
+
+
+async def test_a_viewer_reads_an_operator_replays_and_the_audit_page_says_who(
+    engine, rabbit, run_relay, browser, start_relay, tmp_path
+):
+    """Named operators (--console-tokens): the viewer sees the replay form
+    disabled; the operator replays a topic's published rows, which the real
+    `relay outbox --once` publishes again; the Audit page names the operator."""
+    import hashlib
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        "".join(
+            f"{name} {role} {hashlib.sha256(token.encode()).hexdigest()}\n"
+            for name, role, token in [
+                ("alice", "operator", "alice-secret"),
+                ("victor", "viewer", "victor-secret"),
+            ]
+        )
+    )
+    url = serve_console(start_relay, "--console-tokens", str(tokens))
+    queue = await rabbit.queue("orders.#")
+    rows(
+        engine,
+        "INSERT INTO outbox (topic, key, payload, status, published_at) "
+        "SELECT CASE WHEN i <= 5 THEN 'orders.placed' ELSE 'billing.charge' END, 'k', "
+        "jsonb_build_object('i', i), 'published', now() FROM generate_series(1, 8) i",
+    )
+
+    viewer = await browser.new_page(viewport={"width": 390, "height": 844})
+    await viewer.goto(url + "/replay")
+    await viewer.fill("input[name=token]", "victor-secret")
+    await viewer.get_by_role("button", name="sign in").click()
+    await viewer.get_by_text("victor is a viewer: read only.").wait_for()
+    assert await viewer.get_by_role("button", name="Replay…").is_disabled()
+
+    page = await browser.new_page(viewport={"width": 1100, "height": 800})
+    await page.goto(url + "/replay")
+    await page.fill("input[name=token]", "alice-secret")
+    await page.get_by_role("button", name="sign in").click()
+    await page.fill("input[name=topic]", "orders.*")
+    await page.get_by_role("button", name="Replay…").click()
+    await page.get_by_text("Replay 5 outbox rows matching topic = orders.*?").wait_for()
+    await shot(page, "replay-confirm")
+    await page.get_by_role("button", name="Yes, replay").click()
+    await page.get_by_text("Replayed 5 outbox rows").wait_for()
+
+    result = run_relay("outbox", "--once", "--exchange", rabbit.exchange)
+    assert result.returncode == 0, result.stderr
+    got = await rabbit.drain(queue, 5)
+    assert [json.loads(m.body)["i"] for m in got] == [1, 2, 3, 4, 5]  # in key order
+
+    await page.get_by_role("link", name="Audit").click()
+    entry = page.locator("ol.audit li").first
+    await entry.wait_for()
+    text = " ".join((await entry.inner_text()).split())
+    assert "alice (console) · replay" in text and "outbox 5 rows filter topic=orders.*" in text
+    await shot(page, "audit")
+    await viewer.goto(url + "/audit")
+    assert await viewer.locator("ol.audit li").count() == 1
+    width = await viewer.evaluate("document.scrollingElement.scrollWidth")
+    assert width <= 390

@@ -5,15 +5,17 @@
 SELECT pg_try_advisory_xact_lock(:id)
 
 -- name: delete_expired_outbox
--- Small batches keep each delete's locks and WAL short.
+-- Small batches keep each delete's locks and WAL short. The outer status
+-- check is read again on a row changed since the statement began: a row a
+-- replay (relay.replay) made pending meanwhile is kept.
 DELETE FROM outbox WHERE id IN (SELECT id FROM outbox
 WHERE status = 'published' AND published_at < now() - make_interval(secs => :age)
-LIMIT :limit)
+LIMIT :limit) AND status = 'published'
 
 -- name: delete_expired_inbox
 DELETE FROM inbox WHERE (consumer, message_id) IN (SELECT consumer, message_id
 FROM inbox WHERE status = 'processed' AND processed_at < now() - make_interval(secs => :age)
-LIMIT :limit)
+LIMIT :limit) AND status = 'processed'
 
 -- name: pending_gauge_outbox
 SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
