@@ -8,18 +8,19 @@ from typing import Any
 from relay.db import Store
 
 
-async def apply_schema(database_url: str) -> list[str]:
-    """Create or upgrade the tables; returns the names of the files applied."""
-    store = Store(database_url, pool_size=1)
+async def apply_schema(database_url: str, schema: str | None = None) -> list[str]:
+    """Create or upgrade the tables (in `schema`, made if missing; None: on
+    the search_path); returns the names of the files applied."""
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         return await store.apply_schema()
     finally:
         await store.close()
 
 
-async def table_status(database_url: str) -> dict[str, dict[str, Any]]:
+async def table_status(database_url: str, schema: str | None = None) -> dict[str, dict[str, Any]]:
     """What `relay status --json` prints."""
-    store = Store(database_url, pool_size=1)
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         await store.check_schema()  # no tables: one line that says so, no traceback
         return await store.status()
@@ -27,9 +28,11 @@ async def table_status(database_url: str) -> dict[str, dict[str, Any]]:
         await store.close()
 
 
-async def dead_keys(database_url: str, limit: int = 20) -> dict[str, list[tuple[Any, ...]]]:
+async def dead_keys(
+    database_url: str, limit: int = 20, schema: str | None = None
+) -> dict[str, list[tuple[Any, ...]]]:
     """Keys held by dead rows (under --on-dead block), for `relay status`'s text."""
-    store = Store(database_url, pool_size=1)
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         return await store.dead_keys(limit)
     finally:
@@ -43,9 +46,10 @@ async def retry(
     ids: Sequence[str] = (),
     all_dead: bool = False,
     consumer: str | None = None,
+    schema: str | None = None,
 ) -> int:
     """Put dead (or the given) rows back to pending with attempts reset; returns how many."""
-    store = Store(database_url, pool_size=1)
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         await store.check_schema()
         return await store.retry(table, ids=ids, all_dead=all_dead, consumer=consumer)

@@ -46,10 +46,28 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
             self.fail(str(exc), param, ctx)
 
 
+def _schema(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    try:
+        return config.check_schema_name(value)
+    except ConfigError as exc:
+        _fail_config(exc)
+    return None
+
+
+_SCHEMA_OPTION = option(
+    "--schema",
+    default=None,
+    callback=_schema,
+    help="the schema of relay's tables, triggers and notifications "
+    "[default: the connection's search_path]",
+)
+
+
 def _common(f: F) -> F:
     for decorator in reversed(
         [
             option("--database-url", required=True, help="postgresql://user:pass@host:port/db"),
+            _SCHEMA_OPTION,
             option(
                 "--log-level",
                 default="INFO",
@@ -230,7 +248,8 @@ def schema_apply(**kwargs: Any) -> None:
     _setup_logs(kwargs)
     from relay.api import apply_schema
 
-    applied = _run(apply_schema(_build(config.normalize_database_url, url=kwargs["database_url"])))
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    applied = _run(apply_schema(url, schema=kwargs["schema"]))
     if applied:
         click.echo(f"applied: {', '.join(applied)}")
     else:
@@ -238,11 +257,12 @@ def schema_apply(**kwargs: Any) -> None:
 
 
 @schema.command("sql")
-def schema_sql() -> None:
+@_SCHEMA_OPTION
+def schema_sql(schema: str | None) -> None:
     """Print the DDL that `relay schema apply` runs (needs no database)."""
     from relay.db import schema as schema_module
 
-    click.echo(schema_module.sql_script(), nl=False)
+    click.echo(schema_module.sql_script(schema), nl=False)
 
 
 # -- daemons -------------------------------------------------------------------
@@ -332,6 +352,7 @@ def inbox(**kwargs: Any) -> None:
 
 @cli.command()
 @option("--database-url", required=True, help="postgresql://user:pass@host:port/db")
+@_SCHEMA_OPTION
 @option(
     "--broker-url",
     default=None,
@@ -404,11 +425,11 @@ def status(as_json: bool, **kwargs: Any) -> None:
     from relay.api import dead_keys, table_status
 
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    report = _run(table_status(url))
+    report = _run(table_status(url, schema=kwargs["schema"]))
     if as_json:
         click.echo(json.dumps(report))
         return
-    held = _run(dead_keys(url))
+    held = _run(dead_keys(url, schema=kwargs["schema"]))
     for table, row in report.items():
         counts = ", ".join(f"{k} {v}" for k, v in row.items() if k != "oldest_pending_seconds")
         age = row["oldest_pending_seconds"]
@@ -459,7 +480,11 @@ def retry(
             except ValueError:
                 _fail_config(ConfigError(f"invalid outbox id {row_id!r}: expected a UUID"))
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    count = _run(retry_rows(url, table, ids=ids, all_dead=all_dead, consumer=consumer))
+    count = _run(
+        retry_rows(
+            url, table, ids=ids, all_dead=all_dead, consumer=consumer, schema=kwargs["schema"]
+        )
+    )
     click.echo(f"retried {count} {table} row{'s' if count != 1 else ''}")
 
 
@@ -524,14 +549,16 @@ def _filter_from(kwargs: dict[str, Any]) -> Any:
         _fail_config(exc)
 
 
-def _dead_run(work: Callable[[Any], Coroutine[Any, Any, Any]], database_url: str) -> Any:
+def _dead_run(
+    work: Callable[[Any], Coroutine[Any, Any, Any]], database_url: str, schema: str | None
+) -> Any:
     """Run `work(DeadMessages)`: bad input exits 2, a row not found exits 1."""
     from relay.dead import DeadError, NotFound, open_dead
 
     url = _build(config.normalize_database_url, url=database_url)
 
     async def body() -> Any:
-        async with open_dead(url) as dead:
+        async with open_dead(url, schema=schema) as dead:
             return await work(dead)
 
     try:
@@ -574,7 +601,7 @@ def dead_list(limit: int, after: str | None, as_json: bool, **kwargs: Any) -> No
             if limit or cursor is None:
                 return rows, cursor
 
-    rows, cursor = _dead_run(work, kwargs["database_url"])
+    rows, cursor = _dead_run(work, kwargs["database_url"], kwargs["schema"])
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows]))
     else:
@@ -611,7 +638,11 @@ def dead_show(
 ) -> None:
     """Print one dead row: payload, headers, raw body, attempts and the full last_error."""
     _setup_logs(kwargs)
-    row = _dead_run(lambda d: d.get(row_id, table=table, consumer=consumer), kwargs["database_url"])
+    row = _dead_run(
+        lambda d: d.get(row_id, table=table, consumer=consumer),
+        kwargs["database_url"],
+        kwargs["schema"],
+    )
     if as_json:
         click.echo(json.dumps(row.to_json()))
         return
@@ -627,7 +658,7 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
     """Dead rows grouped by error (exception type and first line), with counts."""
     where = _filter_from(kwargs)
     _setup_logs(kwargs)
-    groups = _dead_run(lambda d: d.groups(where), kwargs["database_url"])
+    groups = _dead_run(lambda d: d.groups(where), kwargs["database_url"], kwargs["schema"])
     if as_json:
         click.echo(
             json.dumps(
@@ -664,7 +695,7 @@ def dead_retry(ids: tuple[str, ...], every: bool, **kwargs: Any) -> None:
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("retry which rows? give a filter, --id ID or --all"))
-    done = _dead_run(lambda d: d.retry(where, ids=ids), kwargs["database_url"])
+    done = _dead_run(lambda d: d.retry(where, ids=ids), kwargs["database_url"], kwargs["schema"])
     click.echo(", ".join(f"retried {n} {t} row{'s' if n != 1 else ''}" for t, n in done.items()))
 
 
@@ -700,6 +731,7 @@ def dead_edit(
             row_id, table=table, consumer=consumer, payload=payload, headers=headers, retry=retry
         ),
         kwargs["database_url"],
+        kwargs["schema"],
     )
     what = " and ".join(n for n, v in (("payload", payload), ("headers", headers)) if v)
     click.echo(
@@ -735,7 +767,9 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
     _setup_logs(kwargs)
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("discard which rows? give a filter, --id ID or --all"))
-    done = _dead_run(lambda d: d.discard(where, ids=ids, reason=reason), kwargs["database_url"])
+    done = _dead_run(
+        lambda d: d.discard(where, ids=ids, reason=reason), kwargs["database_url"], kwargs["schema"]
+    )
     click.echo(
         ", ".join(
             f"discarded {n} {t} row{'s' if n != 1 else ''} (kept in relay_discarded)"
@@ -774,6 +808,7 @@ def console(**kwargs: Any) -> None:
     settings = _build(
         ConsoleSettings,
         database_url=_build(config.normalize_database_url, url=kwargs["database_url"]),
+        schema=kwargs["schema"],
         host=kwargs["host"],
         port=kwargs["port"],
         token=token,

@@ -130,6 +130,24 @@ def _check_libpq_url(url: str, what: str) -> None:
         raise ConfigError(f"invalid {what} URL {redact_url(url)!r}: {reason}") from None
 
 
+# A schema name relay takes (--schema): what PostgreSQL takes unquoted, case
+# kept (relay always quotes it), at most 63 bytes; `pg_` is PostgreSQL's own.
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def check_schema_name(name: str | None) -> str | None:
+    """--schema: None (the connection's search_path) or a usable schema
+    name, else ConfigError."""
+    if name is None:
+        return None
+    if not _SCHEMA_NAME.match(name) or name.startswith("pg_"):
+        raise ConfigError(
+            f"invalid --schema {name[:80]!r}: use a name of letters, digits and _ "
+            "(not starting with a digit or pg_), at most 63 characters"
+        )
+    return name
+
+
 @dataclass(frozen=True)
 class BrokerURL:
     """A parsed --broker-url: `amqp(s)://…` for RabbitMQ or `sqs://…` for SQS."""
@@ -220,9 +238,12 @@ class DaemonSettings:
     on_dead: str = "skip"
     # A direct PostgreSQL URL for LISTEN, when database_url is a pooler's.
     listen_url: str | None = None
+    # The schema of relay's tables (None: the connection's search_path).
+    schema: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", normalize_database_url(self.database_url))
+        check_schema_name(self.schema)
         if self.listen_url:
             object.__setattr__(
                 self, "listen_url", normalize_database_url(self.listen_url, "listen")

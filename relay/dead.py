@@ -418,9 +418,9 @@ def _check_headers(text: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def open_dead(database_url: str) -> AsyncIterator[DeadMessages]:
-    """DeadMessages over a Store of its own, closed on exit."""
-    store = Store(database_url, pool_size=1)
+async def open_dead(database_url: str, schema: str | None = None) -> AsyncIterator[DeadMessages]:
+    """DeadMessages over a Store of its own (on `schema`'s tables), closed on exit."""
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         yield DeadMessages(store)
     finally:

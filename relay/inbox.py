@@ -458,7 +458,7 @@ class DispatcherThread:
                     "attempts": row.attempts + 1,
                 },
             )
-            store = Store(settings.database_url, pool_size=1)
+            store = Store(settings.database_url, pool_size=1, schema=settings.schema)
             try:
                 status = await store.fail_hung_handler(
                     pid,

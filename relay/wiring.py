@@ -41,7 +41,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
-    store = Store(settings.database_url, pool_size=2)
+    store = Store(settings.database_url, pool_size=2, schema=settings.schema)
     publisher = make_publisher(
         broker, exchange=settings.exchange, on_unroutable=settings.on_unroutable, workers=WORKERS
     )
@@ -141,7 +141,7 @@ def inbox_service(
     # Log lines a handler emits carry the message's id, type and traceparent.
     registry = with_log_context(registry)
     metrics = InboxMetrics()
-    store = Store(settings.database_url, pool_size=2)
+    store = Store(settings.database_url, pool_size=2, schema=settings.schema)
     pace = Pace(PACE_BATCHES * DISPATCHERS * settings.batch_size, DISPATCHERS)
 
     def wake_dispatcher() -> None:
@@ -172,7 +172,9 @@ def inbox_service(
     def make_dispatcher(worker: int) -> DispatcherThread:
         return DispatcherThread(
             lambda: (
-                dispatch_store := Store(settings.database_url, pool_size=2, sync=all_sync),
+                dispatch_store := Store(
+                    settings.database_url, pool_size=2, sync=all_sync, schema=settings.schema
+                ),
                 Dispatcher(
                     settings,
                     dispatch_store,

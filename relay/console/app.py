@@ -77,6 +77,7 @@ SECURITY_HEADERS = {
 @dataclass(frozen=True)
 class ConsoleSettings:
     database_url: str
+    schema: str | None = None
     host: str = "127.0.0.1"
     port: int = 8089
     token: str | None = None  # None: read only
@@ -212,7 +213,7 @@ class Console:
     def __init__(self, settings: ConsoleSettings, store: Store | None = None) -> None:
         self.settings = settings
         self.guard = Guard(settings.token)
-        self.store = store or Store(settings.database_url, pool_size=2)
+        self.store = store or Store(settings.database_url, pool_size=2, schema=settings.schema)
         self.dead = DeadMessages(self.store)
         self.env = _environment()
         self._schema_ok = False
