@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from relay.config import Source
 from relay.db import Store
 
 
@@ -26,6 +28,29 @@ async def table_status(database_url: str, schema: str | None = None) -> dict[str
         return await store.status()
     finally:
         await store.close()
+
+
+_AGE = "oldest_pending_seconds"
+
+
+async def sources_status(sources: Mapping[str, Source]) -> dict[str, Any]:
+    """`relay status --json` of several sources: each one's report under
+    `sources` (by label), and the tables' counts of them all (the oldest
+    pending age: the greatest)."""
+    reports = await asyncio.gather(
+        *(table_status(s.database_url, schema=s.schema) for s in sources.values())
+    )
+    total: dict[str, Any] = {}
+    for report in reports:
+        for table, row in report.items():
+            into = total.setdefault(table, {n: None if n == _AGE else 0 for n in row})
+            for name, value in row.items():
+                if name == _AGE:
+                    ages = [a for a in (into[name], value) if a is not None]
+                    into[name] = max(ages) if ages else None
+                else:
+                    into[name] += value
+    return {**total, "sources": dict(zip(sources, reports, strict=True))}
 
 
 async def dead_keys(
@@ -57,4 +82,4 @@ async def retry(
         await store.close()
 
 
-__all__ = ["apply_schema", "dead_keys", "retry", "table_status"]
+__all__ = ["apply_schema", "dead_keys", "retry", "sources_status", "table_status"]

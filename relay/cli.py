@@ -63,11 +63,56 @@ _SCHEMA_OPTION = option(
 )
 
 
+def _schemas(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+    try:
+        return [str(config.check_schema_name(name)) for name in value]
+    except ConfigError as exc:
+        _fail_config(exc)
+    return []
+
+
+# `relay outbox` and `relay status` take several sources (relay.sources).
+_SOURCES_OPTIONS = [
+    option(
+        "--database-url",
+        multiple=True,
+        help="postgresql://user:pass@host:port/db; repeatable (several in the "
+        "variable: separated by whitespace)",
+    ),
+    option(
+        "--schema",
+        "schemas",
+        multiple=True,
+        callback=_schemas,
+        help="the schema of relay's tables, triggers and notifications; repeatable: "
+        "every schema in every database [default: the connection's search_path]",
+    ),
+    option(
+        "--sources",
+        default=None,
+        metavar="FILE",
+        help="a file of sources, one `URL [SCHEMA]` a line (# comments), read again "
+        "on SIGHUP and when it changes (instead of --database-url and --schema)",
+    ),
+]
+
+
 def _common(f: F) -> F:
-    for decorator in reversed(
-        [
+    return _with_common(f, several=False)
+
+
+def _with_common(f: F, *, several: bool) -> F:
+    database = (
+        _SOURCES_OPTIONS
+        if several
+        else [
             option("--database-url", required=True, help="postgresql://user:pass@host:port/db"),
             _SCHEMA_OPTION,
+        ]
+    )
+    for decorator in reversed(
+        [
+            *database,
             option(
                 "--log-level",
                 default="INFO",
@@ -86,7 +131,7 @@ def _common(f: F) -> F:
     return f
 
 
-def _daemon_options(f: F) -> F:
+def _daemon_options(f: F, *, several: bool = False) -> F:
     for decorator in reversed(
         [
             option(
@@ -174,12 +219,45 @@ def _daemon_options(f: F) -> F:
         ]
     ):
         f = decorator(f)
-    return _common(f)
+    return _with_common(f, several=several)
+
+
+def _outbox_options(f: F) -> F:
+    return _daemon_options(f, several=True)
+
+
+def _sources_common(f: F) -> F:
+    return _with_common(f, several=True)
+
+
+def _sources(kwargs: dict[str, Any]) -> tuple[list[config.Source], str | None]:
+    """The sources of `relay outbox` or `relay status`: --sources FILE, else
+    every --schema in every --database-url (popped from kwargs)."""
+    urls, schemas, path = kwargs.pop("database_url"), kwargs.pop("schemas"), kwargs.pop("sources")
+    if path:
+        ctx = click.get_current_context()
+        given = [
+            flag
+            for flag, name in (("--database-url", "database_url"), ("--schema", "schemas"))
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        ]
+        if given:
+            _fail_config(ConfigError(f"give --sources or {' and '.join(given)}, not both"))
+        found = _build(config.read_sources, path=path)
+        if not found:
+            _fail_config(ConfigError(f"--sources {path!r} names no source"))
+    else:
+        found = _build(config.combine_sources, urls=urls, schemas=schemas)
+    logs.add_secrets(p for p in (config.url_password(s.database_url) for s in found) if p)
+    return found, path
 
 
 def _setup_logs(kwargs: dict[str, Any]) -> None:
+    # One URL, or (outbox, status) several, each of which may list several.
+    urls = kwargs.get("database_url") or ()
+    given = " ".join([urls] if isinstance(urls, str) else urls).split()
     secrets = [
-        config.url_password(kwargs.get("database_url")),
+        *(config.url_password(url) for url in given),
         *config.url_passwords(kwargs.get("broker_url")),
         config.url_password(kwargs.get("listen_url")),
     ]
@@ -269,7 +347,7 @@ def schema_sql(schema: str | None) -> None:
 
 
 @cli.command()
-@_daemon_options
+@_outbox_options
 @click.option("--once", is_flag=True, help="publish every row due now, then exit 0")
 # Checked by the settings (one line on stderr), not by click (a usage block).
 @option(
@@ -280,12 +358,24 @@ def schema_sql(schema: str | None) -> None:
     help="RabbitMQ: a message no queue is bound for is published (and counted) or a failed attempt",
 )
 def outbox(once: bool, **kwargs: Any) -> None:
-    """The outbox relay: publish committed outbox rows to the broker."""
+    """The outbox relay: publish committed outbox rows to the broker (of one
+    source, or of several: every --schema in every --database-url, or --sources)."""
     _setup_logs(kwargs)
     from relay.wiring import serve_outbox
 
-    settings = _build(config.OutboxSettings, **_daemon_settings(kwargs))
-    sys.exit(_run(serve_outbox(settings, once=once)))
+    sources, path = _sources(kwargs)
+    first = sources[0]
+    settings = _build(
+        config.OutboxSettings,
+        database_url=first.database_url,
+        schema=first.schema,
+        **_daemon_settings(kwargs),
+    )
+    if len(sources) == 1 and path is None:
+        sys.exit(_run(serve_outbox(settings, once=once)))
+    from relay.sources import serve_sources
+
+    sys.exit(_run(serve_sources(settings, config.labelled(sources), path=path, once=once)))
 
 
 @cli.command()
@@ -417,29 +507,48 @@ def demo(producer_only: bool, **kwargs: Any) -> None:
 
 
 @cli.command()
-@_common
+@_sources_common
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def status(as_json: bool, **kwargs: Any) -> None:
-    """Counts per table and status, and the age of the oldest pending row."""
+    """Counts per table and status, and the age of the oldest pending row (of
+    each source, and in all, when given several)."""
     _setup_logs(kwargs)
-    from relay.api import dead_keys, table_status
+    from relay.api import dead_keys, sources_status, table_status
 
-    url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    report = _run(table_status(url, schema=kwargs["schema"]))
+    sources, path = _sources(kwargs)
+    if len(sources) > 1 or path is not None:
+        labelled = config.labelled(sources)
+        report = _run(sources_status(labelled))
+        if as_json:
+            click.echo(json.dumps(report))
+            return
+        _print_status({t: report[t] for t in ("outbox", "inbox")}, {})
+        for label, source in labelled.items():
+            click.echo(f"source {label}:")
+            held = _run(dead_keys(source.database_url, schema=source.schema))
+            _print_status(report["sources"][label], held, indent="  ")
+        return
+    [source] = sources
+    report = _run(table_status(source.database_url, schema=source.schema))
     if as_json:
         click.echo(json.dumps(report))
         return
-    held = _run(dead_keys(url, schema=kwargs["schema"]))
+    _print_status(report, _run(dead_keys(source.database_url, schema=source.schema)))
+
+
+def _print_status(
+    report: dict[str, dict[str, Any]], held: dict[str, list[Any]], indent: str = ""
+) -> None:
     for table, row in report.items():
         counts = ", ".join(f"{k} {v}" for k, v in row.items() if k != "oldest_pending_seconds")
         age = row["oldest_pending_seconds"]
         oldest = "none pending" if age is None else f"oldest pending {age:.1f}s"
-        click.echo(f"{table}: {counts}; {oldest}")
+        click.echo(f"{indent}{table}: {counts}; {oldest}")
         for consumer, keys, total in held.get(table, []):
             scope = table if consumer is None else f"{table} (consumer {_shown(consumer)})"
             more = f" and {total - len(keys)} more" if total > len(keys) else ""
             click.echo(
-                f"{scope}: keys held by dead rows (under --on-dead block): "
+                f"{indent}{scope}: keys held by dead rows (under --on-dead block): "
                 f"{', '.join(_shown(k) for k in keys)}{more}"
             )
 

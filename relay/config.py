@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from relay.errors import ConfigError
@@ -371,3 +372,87 @@ def parse_queue_arg(text: str) -> tuple[str, str | int]:
 def _positive(name: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"invalid --{name} {value}: must be greater than zero")
+
+
+# -- several sources in one outbox -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place `relay outbox` drains: a database (URL, normalized) and the
+    schema of relay's tables there (None: the connection's search_path)."""
+
+    database_url: str
+    schema: str | None = None
+
+    @property
+    def label(self) -> str:
+        """`database/schema`, the metrics' and status's name for it: never a
+        host or a credential. Without --schema, `database/public`."""
+        from psycopg.conninfo import conninfo_to_dict
+
+        params = conninfo_to_dict("postgresql://" + self.database_url.partition("://")[2])
+        database = params.get("dbname") or params.get("user") or "postgres"
+        return f"{database}/{self.schema or 'public'}"
+
+    def __repr__(self) -> str:
+        return f"Source({redact_url(self.database_url)!r}, {self.schema!r})"
+
+
+def combine_sources(urls: Sequence[str], schemas: Sequence[str | None]) -> list[Source]:
+    """Every schema in every database (`--database-url` and `--schema`
+    repeated; each URL may hold several separated by whitespace, as
+    RELAY_DATABASE_URL does), each once, in the order given."""
+    found: list[Source] = []
+    for given in urls:
+        for url in given.split():
+            normalized = normalize_database_url(url)
+            for schema in schemas or [None]:
+                source = Source(normalized, check_schema_name(schema))
+                if source not in found:
+                    found.append(source)
+    if not found:
+        normalize_database_url("")  # the usual "no database URL" error
+    return found
+
+
+def read_sources(path: str) -> list[Source]:
+    """A file of sources (`--sources`): one `URL [SCHEMA]` a line; `#` starts
+    a comment, blank lines are skipped. ConfigError names the bad line."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read --sources {path!r}: {exc}") from None
+    found: list[Source] = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2:
+            raise ConfigError(
+                f"--sources {path!r} line {number}: expected `URL [SCHEMA]`, got {len(words)} words"
+            )
+        try:
+            source = Source(
+                normalize_database_url(words[0]),
+                check_schema_name(words[1] if len(words) > 1 else None),
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"--sources {path!r} line {number}: {exc}") from None
+        if source not in found:
+            found.append(source)
+    return found
+
+
+def labelled(sources: Sequence[Source]) -> dict[str, Source]:
+    """The sources by label; two of one label (same database name on two
+    servers) are told apart as `label~2`, `label~3`, in order."""
+    named: dict[str, Source] = {}
+    for source in sources:
+        label, n = source.label, 1
+        while label in named:
+            n += 1
+            label = f"{source.label}~{n}"
+        named[label] = source
+    return named

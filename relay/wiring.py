@@ -25,7 +25,7 @@ from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
 from relay.lifecycle import STALL_AFTER, Daemon, Service, Started, run_together
 from relay.logs import with_log_context
 from relay.maintenance import run_scheduler
-from relay.metrics import InboxMetrics
+from relay.metrics import InboxMetrics, OutboxMetrics
 from relay.outbox import WORKERS, OutboxRelay
 from relay.pacing import PACE_BATCHES, Pace
 from relay.receiver_process import LocalReceiver, ReceiverProcess
@@ -35,9 +35,12 @@ outbox_log = logging.getLogger("relay.outbox")
 inbox_log = logging.getLogger("relay.inbox")
 
 
-def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
+def outbox_service(
+    settings: OutboxSettings, *, once: bool = False, metrics: OutboxMetrics | None = None
+) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
-    listener, the scheduled jobs, probes and metrics (not running yet)."""
+    listener, the scheduled jobs, probes and metrics (not running yet).
+    `metrics`: one source's view of an outbox of several (relay.sources)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
@@ -45,7 +48,7 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     publisher = make_publisher(
         broker, exchange=settings.exchange, on_unroutable=settings.on_unroutable, workers=WORKERS
     )
-    relay = OutboxRelay(settings, store, publisher)
+    relay = OutboxRelay(settings, store, publisher, metrics)
     probe_lock = asyncio.Lock()
 
     async def main(started: Started) -> None:

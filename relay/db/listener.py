@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,14 @@ log = logging.getLogger("relay.store")
 
 # How long the listener's self-check waits for its own notification.
 SELF_CHECK_SECONDS = 5.0
+
+
+def _listen(channel: str) -> str | sql.Composed:
+    """LISTEN on `channel`: quoted when it must be (a schema's channel, such
+    as relay_outbox.T2); the plain names as they always were sent."""
+    if re.fullmatch(r"[a-z_][a-z0-9_]*", channel):
+        return "LISTEN " + channel  # checked just above: a plain name
+    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
 
 
 class Listener:
@@ -81,7 +90,7 @@ class Listener:
                 if self.locate is not None:
                     self.channel = await self.locate(self.base_channel)
                 async with await pg.connect(self.conninfo) as conn:
-                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                    await conn.execute(_listen(self.channel))
                     if not await self._self_check(conn):
                         log.warning(
                             "LISTEN/NOTIFY does not work on this connection (%s): a "
