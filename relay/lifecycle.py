@@ -160,7 +160,11 @@ class Daemon:
             return "a loop or background task has died"
         for service in self.services:
             if not await self._service_ready(service):
-                return f"{service.name}: the database or the broker does not answer"
+                # Which of several databases (relay.sources), when it can say.
+                which = service.unready() if service.unready is not None else None
+                return f"{service.name}: the database or the broker does not answer" + (
+                    f" ({which})" if which else ""
+                )
             reason = service.unready() if service.unready is not None else None
             if reason:
                 return f"{service.name}: {reason}"

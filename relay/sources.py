@@ -31,7 +31,7 @@ from typing import Any
 from relay import logs
 from relay.config import OutboxSettings, Source, labelled, read_sources, url_password
 from relay.errors import ConfigError
-from relay.lifecycle import STALL_AFTER, Daemon, Service, Started
+from relay.lifecycle import PROBE_TIMEOUT, STALL_AFTER, Daemon, Service, Started
 from relay.metrics import OutboxMetrics
 from relay.wiring import outbox_service
 
@@ -118,7 +118,9 @@ class SourceRun:
         if self.service.ready is None:
             return True
         try:
-            return bool(await self.service.ready())
+            # Within the probe's time: one source's slow connect must not
+            # cost the others their answer.
+            return bool(await asyncio.wait_for(self.service.ready(), PROBE_TIMEOUT * 0.75))
         except Exception:
             return False
 
@@ -143,6 +145,7 @@ class Sources:
         self.stopping = asyncio.Event()
         self._reload = asyncio.Event()
         self._file_state = self._stat()
+        self._unready: list[str] = []
 
     # -- the Service -----------------------------------------------------------
 
@@ -190,11 +193,17 @@ class Sources:
         await asyncio.gather(*(run.finish() for run in runs))
 
     async def ready(self) -> bool:
-        answers = await asyncio.gather(*(run.ready() for run in self.runs.values()))
+        """Every source's database and broker answer (/readyz)."""
+        runs = list(self.runs.values())
+        answers = await asyncio.gather(*(run.ready() for run in runs))
+        self._unready = [run.label for run, ready in zip(runs, answers, strict=True) if not ready]
         return all(answers)
 
     def unready(self) -> str | None:
-        reasons = [
+        """The sources not ready at the last look, and why a ready one is not
+        (a broker's resource alarm)."""
+        reasons = [f"source {label} does not answer" for label in self._unready]
+        reasons += [
             f"source {run.label}: {reason}"
             for run in self.runs.values()
             if run.service.unready is not None and (reason := run.service.unready())

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +69,14 @@ def pending(url: str, schema: str) -> int:
 
 def label(url: str, schema: str) -> str:
     return f"{url.rsplit('/', 1)[1]}/{schema}"
+
+
+def readyz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
 
 
 def outbox_args(rabbit, *extra: str) -> list[str]:
@@ -190,12 +200,20 @@ async def test_a_source_that_is_down_delays_no_other(databases, rabbit, start_re
     missing = pg_url(f"relay_gone_{uuid.uuid4().hex[:10]}")
     path = tmp_path / "sources"
     path.write_text(f"{missing} t1\n{databases[0]} t1\n{databases[1]} t2\n")
-    relay = start_relay(*outbox_args(rabbit, "--poll-interval", "0.5"), "--sources", str(path))
+    port = free_port()
+    relay = start_relay(
+        *outbox_args(rabbit, "--poll-interval", "0.5", "--http-port", str(port)),
+        "--sources",
+        str(path),
+    )
     relay.wait_for_log("outbox of 3 sources started", timeout=30)
     insert(databases[0], "t1", "a", 2)
     insert(databases[1], "t2", "b", 2)
     got = await rabbit.drain(queue, 4, timeout=15)
     assert sorted(m.routing_key for m in got) == ["a", "a", "b", "b"]
+    code, body = readyz(port)
+    assert code == 503
+    assert f"source {label(missing, 't1')} does not answer" in body
     # A database dropped under a running source: the others still flow.
     drop_database(databases[0].rsplit("/", 1)[1])
     insert(databases[1], "t2", "c", 2)
