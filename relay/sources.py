@@ -39,6 +39,9 @@ log = logging.getLogger("relay.outbox")
 
 # How often the --sources file's modification time is looked at.
 SOURCES_CHECK = 1.0
+# Idle pooled connections a source keeps for its jobs and probes (a second
+# one opens while two run at once): its workers' and LISTEN's are its own.
+SOURCE_POOL = 1
 # A source whose loop or background task ended unexpectedly (a bug, or a
 # schema newer than this relay) starts again after this long; the others go on.
 RESTART_AFTER = 10.0

@@ -36,15 +36,20 @@ inbox_log = logging.getLogger("relay.inbox")
 
 
 def outbox_service(
-    settings: OutboxSettings, *, once: bool = False, metrics: OutboxMetrics | None = None
+    settings: OutboxSettings,
+    *,
+    once: bool = False,
+    metrics: OutboxMetrics | None = None,
+    pool_size: int = 2,
 ) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
     listener, the scheduled jobs, probes and metrics (not running yet).
-    `metrics`: one source's view of an outbox of several (relay.sources)."""
+    `metrics`: one source's view of an outbox of several (relay.sources),
+    which keeps fewer idle connections for its jobs (`pool_size`)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
-    store = Store(settings.database_url, pool_size=2, schema=settings.schema)
+    store = Store(settings.database_url, pool_size=pool_size, schema=settings.schema)
     publisher = make_publisher(
         broker, exchange=settings.exchange, on_unroutable=settings.on_unroutable, workers=WORKERS
     )
