@@ -373,6 +373,13 @@ def outbox(once: bool, **kwargs: Any) -> None:
     )
     if len(sources) == 1 and path is None:
         sys.exit(_run(serve_outbox(settings, once=once)))
+    if settings.listen_url and len({s.database_url for s in sources}) > 1:
+        _fail_config(
+            ConfigError(
+                "--listen-url names one database: give it only when every source is a "
+                "schema of that one --database-url"
+            )
+        )
     from relay.sources import serve_sources
 
     sys.exit(_run(serve_sources(settings, config.labelled(sources), path=path, once=once)))
