@@ -224,7 +224,9 @@ class Sources:
     def _start(self, label: str, source: Source) -> None:
         settings = self.settings.replace(database_url=source.database_url, schema=source.schema)
         assert isinstance(settings, OutboxSettings)
-        service = outbox_service(settings, once=self.once, metrics=self.metrics.for_source(label))
+        service = outbox_service(
+            settings, once=self.once, metrics=self.metrics.for_source(label), pool_size=SOURCE_POOL
+        )
         run = SourceRun(label, source, service, self.settings.shutdown_timeout)
         self.runs[label] = run
         run.start()
