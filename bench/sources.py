@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -63,7 +64,16 @@ async def relay_connections(url: str) -> int:
         return int(row[0]) if row else 0
 
 
-async def start_outbox(url: str, schemas: list[str], exchange: str, logs: Path, port: int) -> Proc:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def start_outbox(
+    url: str, schemas: list[str], exchange: str, logs: Path, port: int, poll: float
+) -> Proc:
     argv = [
         *relay_command(),
         "outbox",
@@ -75,6 +85,8 @@ async def start_outbox(url: str, schemas: list[str], exchange: str, logs: Path, 
         exchange,
         "--http-port",
         str(port),
+        "--poll-interval",
+        str(poll),
         *[arg for name in schemas for arg in ("--schema", name)],
     ]
     proc = Proc(f"outbox-{len(schemas)}", argv, relay_env(), logs / f"outbox-{len(schemas)}.log")
@@ -87,14 +99,17 @@ async def start_outbox(url: str, schemas: list[str], exchange: str, logs: Path, 
 
 
 async def footprint(
-    url: str, count: int, settle: float, exchange: str, logs: Path
+    url: str, count: int, settle: float, exchange: str, logs: Path, poll: float
 ) -> dict[str, Any]:
-    """Memory and connections of an idle outbox of `count` sources."""
+    """Memory, connections and CPU of an idle outbox of `count` sources."""
     schemas = [f"s{count}_{i}" for i in range(count)]
     await make_schemas(url, schemas)
-    proc = await start_outbox(url, schemas, exchange, logs, free_port())
+    proc = await start_outbox(url, schemas, exchange, logs, free_port(), poll)
     try:
+        await asyncio.sleep(3)
+        cpu, started = cpu_seconds(proc.pid), time.monotonic()
         await asyncio.sleep(settle)
+        idle_cpu = (cpu_seconds(proc.pid) - cpu) / (time.monotonic() - started)
         proc.rss.sample()
         rss = [kb for _, kb in proc.rss.samples[-max(1, int(settle)) :]]
         return {
@@ -102,13 +117,23 @@ async def footprint(
             "rss_mb": round(sum(rss) / len(rss) / 1024, 1),
             "peak_mb": round(proc.rss.hwm_kb / 1024, 1),
             "pg_connections": await relay_connections(url),
+            "idle_cpu_pct": round(idle_cpu * 100, 1),
+            "poll_interval": poll,
         }
     finally:
         await proc.stop()
 
 
 async def trickle(
-    url: str, count: int, rate: float, seconds: float, backlog: int, exchange: str, logs: Path
+    url: str,
+    count: int,
+    rate: float,
+    seconds: float,
+    backlog: int,
+    exchange: str,
+    logs: Path,
+    poll: float,
+    settle: float,
 ) -> dict[str, Any]:
     """Commit-to-receipt latency of `count` trickling sources, beside a backlog."""
     schemas = [f"tr_{i}" for i in range(count)]
@@ -135,10 +160,10 @@ async def trickle(
 
     await queue.consume(on_message)
     port = free_port()
-    proc = await start_outbox(url, [*schemas, busy], exchange, logs, port)
+    proc = await start_outbox(url, [*schemas, busy], exchange, logs, port, poll)
     committed: dict[str, float] = {}
     try:
-        await asyncio.sleep(2)
+        await asyncio.sleep(settle)
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             interval, n = 1 / rate, 0
             start = time.monotonic()
@@ -187,7 +212,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         url = f"{server.url}/postgres"
         results["footprint"] = []
         for count in args.counts:
-            figure = await footprint(url, count, args.settle, exchange, logs)
+            figure = await footprint(url, count, args.settle, exchange, logs, args.poll_interval)
             print(json.dumps(figure), flush=True)
             results["footprint"].append(figure)
         if args.trickle_seconds:
@@ -199,6 +224,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.backlog,
                 exchange,
                 logs,
+                args.poll_interval,
+                args.settle,
             )
             print(json.dumps(figure), flush=True)
             results["trickle"] = figure
@@ -213,6 +240,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="trickle rows/s, all sources")
     parser.add_argument("--trickle-seconds", type=float, default=30.0)
     parser.add_argument("--backlog", type=int, default=200_000)
+    parser.add_argument("--poll-interval", type=float, default=1.0)
     args = parser.parse_args()
     results = asyncio.run(run(args))
     out = REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%dT%H%M')}-sources.json"

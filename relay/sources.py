@@ -225,7 +225,11 @@ class Sources:
         settings = self.settings.replace(database_url=source.database_url, schema=source.schema)
         assert isinstance(settings, OutboxSettings)
         service = outbox_service(
-            settings, once=self.once, metrics=self.metrics.for_source(label), pool_size=SOURCE_POOL
+            settings,
+            once=self.once,
+            metrics=self.metrics.for_source(label),
+            pool_size=SOURCE_POOL,
+            stagger=True,
         )
         run = SourceRun(label, source, service, self.settings.shutdown_timeout)
         self.runs[label] = run

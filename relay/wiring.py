@@ -41,11 +41,13 @@ def outbox_service(
     once: bool = False,
     metrics: OutboxMetrics | None = None,
     pool_size: int = 2,
+    stagger: bool = False,
 ) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
     listener, the scheduled jobs, probes and metrics (not running yet).
     `metrics`: one source's view of an outbox of several (relay.sources),
-    which keeps fewer idle connections for its jobs (`pool_size`)."""
+    which keeps fewer idle connections for its jobs (`pool_size`) and
+    spreads their runs (`stagger`: relay.maintenance.run_scheduler)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
@@ -90,7 +92,12 @@ def outbox_service(
     # but the gauges and the churn vacuum, which a catch-up needs most.
     background = {
         "scheduler": lambda stop: run_scheduler(
-            store, "outbox", None if once else settings.retention, relay.metrics, stop
+            store,
+            "outbox",
+            None if once else settings.retention,
+            relay.metrics,
+            stop,
+            stagger=stagger,
         ),
     }
     if not once:
