@@ -301,3 +301,41 @@ async def test_inbox_daemons_each_on_their_own_schema(tenants, rabbit, start_rel
             assert sorted(r[0] for r in effects) == sorted(ids[schema])
     finally:
         engine.dispose()
+
+
+async def test_retry_wakes_the_daemon_of_its_own_schema(
+    tenants, rabbit, start_relay, run_relay, tenant_env
+):
+    """`relay retry --schema` notifies its schema's channel: a daemon with a
+    poll of a minute publishes the retried row at once."""
+    queue = await rabbit.queue("#")
+    engine = sa.create_engine(tenants)
+    try:
+        for schema in SCHEMAS:
+            rows(
+                engine,
+                f"INSERT INTO {namespace.quoted(schema)}.outbox (topic, payload, status) "
+                "VALUES ('again', '{}', 'dead')",
+            )
+        daemon = start_relay(
+            "outbox",
+            "--schema",
+            "t1",
+            "--exchange",
+            rabbit.exchange,
+            "--poll-interval",
+            "60",
+            env=tenant_env,
+        )
+        daemon.wait_for_log("outbox relay started", timeout=30)
+        time.sleep(1)
+        listed = run_relay("dead", "list", "--json", "--schema", "T2", env=tenant_env)
+        assert listed.returncode == 0, listed.stderr
+        assert [row["topic"] for row in json.loads(listed.stdout)] == ["again"]
+        retried = run_relay("retry", "outbox", "--all-dead", "--schema", "t1", env=tenant_env)
+        assert (retried.returncode, retried.stdout.strip()) == (0, "retried 1 outbox row")
+        [message] = await rabbit.drain(queue, 1, timeout=10)
+        assert message.routing_key == "again"
+        assert statuses(engine, "T2") == ["dead"]
+    finally:
+        engine.dispose()

@@ -123,6 +123,30 @@ def test_a_bad_sources_file_exits_2(run_relay, tmp_path: Path):
     assert missing.returncode == 2, missing.stderr
     both = run_relay("outbox", "--sources", str(path), "--database-url", "postgresql://u@h/a")
     assert both.returncode == 2 and "not both" in both.stderr
+    listen = run_relay(
+        "outbox",
+        "--database-url",
+        "postgresql://u@h/a postgresql://u@h/b",
+        "--listen-url",
+        "postgresql://u@h/a",
+    )
+    assert listen.returncode == 2 and "--listen-url names one database" in listen.stderr
+
+
+def test_status_of_several_sources_as_text(databases, run_relay):
+    insert(databases[0], "t1", "x", 2)
+    result = run_relay(
+        "status",
+        *[arg for url in databases for arg in ("--database-url", url)],
+        "--schema",
+        "t1",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("outbox: pending 2, published 0, dead 0; oldest pending ")
+    assert f"source {label(databases[0], 't1')}:" in lines
+    assert f"source {label(databases[1], 't1')}:" in lines
+    assert "  outbox: pending 0, published 0, dead 0; none pending" in lines
 
 
 # -- one process, four sources --------------------------------------------------------
@@ -227,7 +251,12 @@ async def test_sources_added_and_dropped_at_run_time(databases, rabbit, start_re
     first, second = databases
     path = tmp_path / "sources"
     path.write_text(f"{first} t1\n")
-    relay = start_relay(*outbox_args(rabbit, "--poll-interval", "0.5"), "--sources", str(path))
+    port = free_port()
+    relay = start_relay(
+        *outbox_args(rabbit, "--poll-interval", "0.5", "--http-port", str(port)),
+        "--sources",
+        str(path),
+    )
     relay.wait_for_log("outbox of 1 sources started", timeout=30)
     insert(second, "t2", "early")
     insert(first, "t1", "one")
@@ -249,4 +278,8 @@ async def test_sources_added_and_dropped_at_run_time(databases, rabbit, start_re
     assert [m.routing_key for m in await rabbit.drain(queue, 1, timeout=15)] == ["two"]
     time.sleep(1.5)
     assert pending(first, "t1") == 1
+    # The dropped source's series are gone; the running one's stay.
+    samples = scrape(port)
+    assert f'relay_outbox_published_total{{source="{label(second, "t2")}"}}' in samples
+    assert not any(label(first, "t1") in name for name in samples)
     assert relay.proc.poll() is None, relay.log
