@@ -203,6 +203,43 @@ async def trickle(
     }
 
 
+async def drain_rate(
+    url: str, rows: int, others: int, exchange: str, logs: Path, poll: float
+) -> float:
+    """Rows/s of one source's drain of `rows` rows (first to last published_at),
+    by a relay of its own (others 0) or beside `others` idle sources."""
+    busy = "dr_busy"
+    idle = [f"dr_idle_{i}" for i in range(others)]
+    await make_schemas(url, [busy, *idle])
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(f"TRUNCATE {busy}.outbox")
+        await conn.execute(
+            f"INSERT INTO {busy}.outbox (topic, payload) "
+            f"SELECT 'bench.drain', {PAYLOAD_SQL} FROM generate_series(1, %s) i",
+            (rows,),
+        )
+        await conn.execute(f"VACUUM ANALYZE {busy}.outbox")
+    proc = await start_outbox(url, [busy, *idle], exchange, logs, free_port(), poll)
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            deadline = time.monotonic() + 600
+            while True:
+                cur = await conn.execute(
+                    f"SELECT count(*) FILTER (WHERE status = 'pending'), "
+                    "extract(epoch FROM max(published_at) - min(published_at)) "
+                    f"FROM {busy}.outbox"
+                )
+                row = await cur.fetchone()
+                assert row is not None
+                if row[0] == 0:
+                    return rows / float(row[1])
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the drain did not finish:\n{proc.tail()}")
+                await asyncio.sleep(0.5)
+    finally:
+        await proc.stop()
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "load": loadavg()}
     logs = REPO / "bench" / "results" / "sources-logs"
@@ -229,6 +266,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             print(json.dumps(figure), flush=True)
             results["trickle"] = figure
+        if args.drain:
+            alone, inside = [], []
+            for _ in range(args.drain_rounds):
+                alone.append(
+                    await drain_rate(url, args.drain, 0, exchange, logs, args.poll_interval)
+                )
+                inside.append(
+                    await drain_rate(url, args.drain, 9, exchange, logs, args.poll_interval)
+                )
+            figure = {
+                "rows": args.drain,
+                "alone_msgs_s": [round(r) for r in alone],
+                "beside_9_idle_msgs_s": [round(r) for r in inside],
+                "ratio": round(sum(inside) / sum(alone), 3),
+            }
+            print(json.dumps(figure), flush=True)
+            results["drain"] = figure
     results["load_after"] = loadavg()
     return results
 
@@ -241,6 +295,8 @@ def main() -> None:
     parser.add_argument("--trickle-seconds", type=float, default=30.0)
     parser.add_argument("--backlog", type=int, default=200_000)
     parser.add_argument("--poll-interval", type=float, default=1.0)
+    parser.add_argument("--drain", type=int, default=100_000, help="rows; 0: no drain")
+    parser.add_argument("--drain-rounds", type=int, default=2)
     args = parser.parse_args()
     results = asyncio.run(run(args))
     out = REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%dT%H%M')}-sources.json"
