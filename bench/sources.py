@@ -48,6 +48,9 @@ from bench.harness import metrics
 from bench.pgserver import own_postgres
 from relay.db.schema import sql_script
 
+# More `relay outbox` flags for every daemon here (--relay-arg).
+EXTRA: list[str] = []
+
 
 async def make_schemas(url: str, names: list[str]) -> None:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -87,6 +90,7 @@ async def start_outbox(
         str(port),
         "--poll-interval",
         str(poll),
+        *EXTRA,
         *[arg for name in schemas for arg in ("--schema", name)],
     ]
     proc = Proc(f"outbox-{len(schemas)}", argv, relay_env(), logs / f"outbox-{len(schemas)}.log")
@@ -297,7 +301,11 @@ def main() -> None:
     parser.add_argument("--poll-interval", type=float, default=1.0)
     parser.add_argument("--drain", type=int, default=100_000, help="rows; 0: no drain")
     parser.add_argument("--drain-rounds", type=int, default=2)
+    parser.add_argument(
+        "--relay-arg", action="append", default=[], help="a flag for relay outbox (repeatable)"
+    )
     args = parser.parse_args()
+    EXTRA.extend(arg for given in args.relay_arg for arg in given.split())
     results = asyncio.run(run(args))
     out = REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%dT%H%M')}-sources.json"
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -380,8 +380,11 @@ def outbox(once: bool, **kwargs: Any) -> None:
                 "schema of that one --database-url"
             )
         )
-    from relay.sources import serve_sources
+    from relay.sources import SOURCE_BATCH, serve_sources
 
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("batch_size") == click.core.ParameterSource.DEFAULT:
+        settings = _build(settings.replace, batch_size=SOURCE_BATCH)
     sys.exit(_run(serve_sources(settings, config.labelled(sources), path=path, once=once)))
 
 
