@@ -283,3 +283,46 @@ async def test_sources_added_and_dropped_at_run_time(databases, rabbit, start_re
     assert f'relay_outbox_published_total{{source="{label(second, "t2")}"}}' in samples
     assert not any(label(first, "t1") in name for name in samples)
     assert relay.proc.poll() is None, relay.log
+
+
+def largest_batch(url: str, schema: str) -> int:
+    """The most rows one transaction published (published_at is its now())."""
+    with psycopg.connect(url.replace("+psycopg", "")) as conn:
+        row = conn.execute(
+            f"SELECT max(n) FROM (SELECT count(*) AS n FROM {schema}.outbox "
+            "WHERE status = 'published' GROUP BY published_at) b"
+        ).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+@pytest.mark.parametrize(("given", "largest"), [((), 100), (("--batch-size", "500"), 300)])
+async def test_several_sources_take_batches_of_100_unless_told(
+    databases, rabbit, run_relay, given, largest
+):
+    await rabbit.queue("#")
+    url = databases[0]
+    engine = sa.create_engine(url)
+    try:
+        rows(
+            engine,
+            "INSERT INTO t1.outbox (topic, key, payload) "
+            "SELECT 'b', 'one-key', '{}' FROM generate_series(1, 300)",
+        )
+    finally:
+        engine.dispose()
+    result = run_relay(
+        "outbox",
+        "--once",
+        "--exchange",
+        rabbit.exchange,
+        "--database-url",
+        url,
+        "--schema",
+        "t1",
+        "--schema",
+        "t2",
+        *given,
+    )
+    assert result.returncode == 0, result.stderr
+    assert pending(url, "t1") == 0
+    assert largest_batch(url, "t1") == largest
