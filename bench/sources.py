@@ -288,6 +288,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(figure), flush=True)
             results["drain"] = figure
     results["load_after"] = loadavg()
+    broker = await aio_pika.connect(AMQP_URL)
+    try:
+        channel = await broker.channel()
+        await channel.exchange_delete(exchange)  # declared by the daemons
+    finally:
+        await broker.close()
     return results
 
 
