@@ -155,6 +155,8 @@ class Sources:
         self._reload = asyncio.Event()
         self._file_state = self._stat()
         self._unready: list[str] = []
+        # Sources whose run ended unexpectedly: when each starts again.
+        self._restart_at: dict[str, float] = {}
 
     # -- the Service -----------------------------------------------------------
 
@@ -187,6 +189,9 @@ class Sources:
                 loop.add_signal_handler(signal.SIGHUP, self._reload.set)
         try:
             await self._watch()
+            # Stopping: each source finishes its batch in hand (cancelled,
+            # and so released, if the lifecycle's shutdown timeout ends this).
+            await asyncio.gather(*(run.main for run in self.runs.values()), return_exceptions=True)
         finally:
             if self.path is not None and not self.once:
                 with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -242,6 +247,7 @@ class Sources:
         run.start()
 
     async def _drop(self, label: str) -> None:
+        self._restart_at.pop(label, None)
         run = self.runs.pop(label)
         await run.finish()
         self.metrics.forget(label)
@@ -254,7 +260,7 @@ class Sources:
             # source's error is the command's (after the others are done).
             await asyncio.gather(*(run.main for run in self.runs.values()))
             return
-        restart_at: dict[str, float] = {}
+        restart_at = self._restart_at
         while not self.stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reload.wait(), SOURCES_CHECK)
@@ -280,7 +286,7 @@ class Sources:
                         extra={"action": "source_failed", "source": label},
                     )
                     restart_at[label] = now + RESTART_AFTER
-                elif now >= restart_at.pop(label):
+                elif now >= restart_at[label]:
                     await self._drop(label)
                     self._start(label, run.source)
 

@@ -326,3 +326,34 @@ async def test_several_sources_take_batches_of_100_unless_told(
     assert result.returncode == 0, result.stderr
     assert pending(url, "t1") == 0
     assert largest_batch(url, "t1") == largest
+
+
+async def test_a_source_whose_loop_fails_is_started_again_and_the_others_go_on(
+    databases, rabbit, start_relay
+):
+    """A schema newer than this relay ends that source's loop (alone, the
+    daemon would exit 2): the others flow, and it starts again once mended."""
+    queue = await rabbit.queue("#")
+    url = databases[0]
+    engine = sa.create_engine(url)
+    try:
+        rows(engine, "INSERT INTO t1.relay_schema_version (version, name) VALUES (999, 'x')")
+        relay = start_relay(
+            *outbox_args(rabbit, "--poll-interval", "0.5"),
+            "--database-url",
+            url,
+            "--schema",
+            "t1",
+            "--schema",
+            "t2",
+        )
+        relay.wait_for_log(f"source {label(url, 't1')}: its main task ended", timeout=30)
+        insert(url, "t2", "fine")
+        insert(url, "t1", "later")
+        assert [m.routing_key for m in await rabbit.drain(queue, 1, timeout=15)] == ["fine"]
+        rows(engine, "DELETE FROM t1.relay_schema_version WHERE version = 999")
+        assert [m.routing_key for m in await rabbit.drain(queue, 1, timeout=30)] == ["later"]
+        assert relay.log.count("its main task ended") == 1, relay.log
+        assert relay.proc.poll() is None
+    finally:
+        engine.dispose()
