@@ -285,6 +285,10 @@ async def test_sources_added_and_dropped_at_run_time(databases, rabbit, start_re
     assert relay.proc.poll() is None, relay.log
 
 
+def both_schemas(url: str) -> list[str]:
+    return ["--database-url", url, "--schema", "t1", "--schema", "t2"]
+
+
 def largest_batch(url: str, schema: str) -> int:
     """The most rows one transaction published (published_at is its now())."""
     with psycopg.connect(url.replace("+psycopg", "")) as conn:
@@ -315,12 +319,7 @@ async def test_several_sources_take_batches_of_100_unless_told(
         "--once",
         "--exchange",
         rabbit.exchange,
-        "--database-url",
-        url,
-        "--schema",
-        "t1",
-        "--schema",
-        "t2",
+        *both_schemas(url),
         *given,
     )
     assert result.returncode == 0, result.stderr
@@ -340,12 +339,7 @@ async def test_a_source_whose_loop_fails_is_started_again_and_the_others_go_on(
         rows(engine, "INSERT INTO t1.relay_schema_version (version, name) VALUES (999, 'x')")
         relay = start_relay(
             *outbox_args(rabbit, "--poll-interval", "0.5"),
-            "--database-url",
-            url,
-            "--schema",
-            "t1",
-            "--schema",
-            "t2",
+            *both_schemas(url),
         )
         relay.wait_for_log(f"source {label(url, 't1')}: its main task ended", timeout=30)
         insert(url, "t2", "fine")
