@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +17,8 @@ from pathlib import Path
 import psycopg
 import pytest
 import sqlalchemy as sa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from relay.config import Source, combine_sources, labelled, read_sources
 from relay.errors import ConfigError
@@ -111,6 +114,29 @@ def test_a_sources_file_with_comments_and_bad_lines(tmp_path: Path):
         path.write_text("postgresql://u@h/ok\n" + bad)
         with pytest.raises(ConfigError, match="line 2"):
             read_sources(str(path))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=60),
+            st.sampled_from(["postgresql://u@h/a", "postgresql://u:p@h/b t1", "# x", ""]),
+        ),
+        max_size=6,
+    )
+)
+def test_any_sources_file_is_read_or_refused_with_its_line(lines):
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "sources"
+        path.write_text("\n".join(lines), encoding="utf-8", errors="surrogatepass")
+        try:
+            found = read_sources(str(path))
+        except ConfigError as exc:
+            assert "line" in str(exc) or "cannot read" in str(exc)
+        else:
+            assert len(found) == len(set(found))
+            assert all("/" in source.label and "u:p" not in source.label for source in found)
 
 
 def test_a_bad_sources_file_exits_2(run_relay, tmp_path: Path):
