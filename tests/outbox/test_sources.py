@@ -13,6 +13,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -24,6 +25,7 @@ from relay.config import Source, combine_sources, labelled, read_sources
 from relay.errors import ConfigError
 from tests.conftest import _admin, drop_database, free_port, pg_url, rows, wait_until
 from tests.ops.test_operations import scrape
+from tests.sqs_server import sqs, sqs_server  # noqa: F401 - fixtures
 
 SCHEMAS = ("t1", "t2")
 
@@ -377,3 +379,23 @@ async def test_a_source_whose_loop_fails_is_started_again_and_the_others_go_on(
         assert relay.proc.poll() is None
     finally:
         engine.dispose()
+
+
+async def test_several_sources_publish_to_sqs(databases, sqs, run_relay):
+    """Each source has its own publisher: SQS as RabbitMQ."""
+    url = databases[0]
+    topics = {schema: sqs.name(f"src-{schema}") for schema in SCHEMAS}
+    for schema, topic in topics.items():
+        sqs.create(topic)
+        insert(url, schema, topic, 2)
+    result = run_relay(
+        "outbox", "--once", *both_schemas(url), env={**sqs.env, "RELAY_BROKER_URL": "sqs://"}
+    )
+    assert result.returncode == 0, result.stderr
+    for schema, topic in topics.items():
+        got: list[Any] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += sqs.receive(topic)
+        assert len(got) == 2, schema
+        assert pending(url, schema) == 0
