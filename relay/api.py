@@ -8,6 +8,8 @@ from typing import Any
 
 from relay.config import Source
 from relay.db import Store
+from relay.db.store import STATUSES
+from relay.errors import SchemaError, Unavailable
 
 
 async def apply_schema(database_url: str, schema: str | None = None) -> list[str]:
@@ -36,14 +38,18 @@ _AGE = "oldest_pending_seconds"
 async def sources_status(sources: Mapping[str, Source]) -> dict[str, Any]:
     """`relay status --json` of several sources: each one's report under
     `sources` (by label), and the tables' counts of them all (the oldest
-    pending age: the greatest)."""
-    reports = await asyncio.gather(
-        *(table_status(s.database_url, schema=s.schema) for s in sources.values())
-    )
-    total: dict[str, Any] = {}
+    pending age: the greatest). A source that cannot be read (its database
+    away, its tables missing) is `{"error": "..."}` there, left out of the
+    counts."""
+    reports = await asyncio.gather(*(_status_or_error(s) for s in sources.values()))
+    total: dict[str, Any] = {
+        table: {**dict.fromkeys(statuses, 0), _AGE: None} for table, statuses in STATUSES.items()
+    }
     for report in reports:
         for table, row in report.items():
-            into = total.setdefault(table, {n: None if n == _AGE else 0 for n in row})
+            if table == "error":
+                continue
+            into = total[table]
             for name, value in row.items():
                 if name == _AGE:
                     ages = [a for a in (into[name], value) if a is not None]
@@ -51,6 +57,13 @@ async def sources_status(sources: Mapping[str, Source]) -> dict[str, Any]:
                 else:
                     into[name] += value
     return {**total, "sources": dict(zip(sources, reports, strict=True))}
+
+
+async def _status_or_error(source: Source) -> dict[str, Any]:
+    try:
+        return await table_status(source.database_url, schema=source.schema)
+    except (Unavailable, SchemaError) as exc:
+        return {"error": str(exc)}
 
 
 async def dead_keys(

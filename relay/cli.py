@@ -529,14 +529,21 @@ def status(as_json: bool, **kwargs: Any) -> None:
     if len(sources) > 1 or path is not None:
         labelled = config.labelled(sources)
         report = _run(sources_status(labelled))
+        failed = [label for label, r in report["sources"].items() if "error" in r]
         if as_json:
             click.echo(json.dumps(report))
-            return
-        _print_status({t: report[t] for t in ("outbox", "inbox")}, {})
-        for label, source in labelled.items():
-            click.echo(f"source {label}:")
-            held = _run(dead_keys(source.database_url, schema=source.schema))
-            _print_status(report["sources"][label], held, indent="  ")
+        else:
+            _print_status({t: report[t] for t in ("outbox", "inbox")}, {})
+            for label, source in labelled.items():
+                click.echo(f"source {label}:")
+                if label in failed:
+                    click.echo(f"  error: {report['sources'][label]['error']}")
+                    continue
+                held = _run(dead_keys(source.database_url, schema=source.schema))
+                _print_status(report["sources"][label], held, indent="  ")
+        if failed:
+            click.echo(f"relay: error: sources not read: {', '.join(failed)}", err=True)
+            sys.exit(EXIT_FAILURE)
         return
     [source] = sources
     report = _run(table_status(source.database_url, schema=source.schema))

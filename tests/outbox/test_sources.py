@@ -399,3 +399,17 @@ async def test_several_sources_publish_to_sqs(databases, sqs, run_relay):
             got += sqs.receive(topic)
         assert len(got) == 2, schema
         assert pending(url, schema) == 0
+
+
+def test_status_reports_a_source_it_cannot_read_and_exits_1(databases, run_relay):
+    insert(databases[0], "t1", "x", 3)
+    missing = pg_url(f"relay_gone_{uuid.uuid4().hex[:10]}")
+    result = run_relay(
+        "status", "--json", "--database-url", f"{databases[0]} {missing}", "--schema", "t1"
+    )
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["outbox"]["pending"] == 3
+    assert report["sources"][label(databases[0], "t1")]["outbox"]["pending"] == 3
+    assert "does not exist" in report["sources"][label(missing, "t1")]["error"]
+    assert f"sources not read: {label(missing, 't1')}" in result.stderr
