@@ -241,6 +241,7 @@ class Sources:
             metrics=self.metrics.for_source(label),
             pool_size=SOURCE_POOL,
             stagger=True,
+            one_poll=True,
         )
         run = SourceRun(label, source, service, self.settings.shutdown_timeout)
         self.runs[label] = run

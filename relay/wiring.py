@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -42,12 +43,14 @@ def outbox_service(
     metrics: OutboxMetrics | None = None,
     pool_size: int = 2,
     stagger: bool = False,
+    one_poll: bool = False,
 ) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
     listener, the scheduled jobs, probes and metrics (not running yet).
     `metrics`: one source's view of an outbox of several (relay.sources),
-    which keeps fewer idle connections for its jobs (`pool_size`) and
-    spreads their runs (`stagger`: relay.maintenance.run_scheduler)."""
+    which keeps fewer idle connections for its jobs (`pool_size`), spreads
+    their runs (`stagger`: relay.maintenance.run_scheduler) and polls once
+    per --poll-interval rather than once per worker (`one_poll`)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
@@ -55,7 +58,16 @@ def outbox_service(
     publisher = make_publisher(
         broker, exchange=settings.exchange, on_unroutable=settings.on_unroutable, workers=WORKERS
     )
-    relay = OutboxRelay(settings, store, publisher, metrics)
+    loop_settings = settings
+    if one_poll and not once:
+        # Each idle worker's own poll comes seldom; a poller wakes the relay
+        # every --poll-interval as a notification does, and one idle worker
+        # (a scout) claims the due rows of every key: one claim where the
+        # four workers made four, the same rows found as soon.
+        loop_settings = dataclasses.replace(
+            settings, poll_interval=max(settings.poll_interval, WORKER_POLL)
+        )
+    relay = OutboxRelay(loop_settings, store, publisher, metrics)
     probe_lock = asyncio.Lock()
 
     async def main(started: Started) -> None:
@@ -103,6 +115,8 @@ def outbox_service(
     if not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
+    if loop_settings is not settings:
+        background["poller"] = lambda stop: _poll(relay, settings.poll_interval)
     return Service(
         name="outbox",
         main=main,
@@ -120,6 +134,17 @@ def outbox_service(
         stall_after=STALL_AFTER + settings.poll_interval,
         on_stop=[publisher.close, relay.close, store.close, tracing.flush],
     )
+
+
+# An idle worker's own poll under `one_poll` (outbox_service).
+WORKER_POLL = 60.0
+
+
+async def _poll(relay: OutboxRelay, interval: float) -> None:
+    """Wake the relay every `interval` seconds, as a notification would."""
+    while True:
+        await asyncio.sleep(interval)
+        relay.wake()
 
 
 async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:

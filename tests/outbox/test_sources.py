@@ -413,3 +413,25 @@ def test_status_reports_a_source_it_cannot_read_and_exits_1(databases, run_relay
     assert report["sources"][label(databases[0], "t1")]["outbox"]["pending"] == 3
     assert "does not exist" in report["sources"][label(missing, "t1")]["error"]
     assert f"sources not read: {label(missing, 't1')}" in result.stderr
+
+
+async def test_a_delayed_row_goes_out_within_a_poll_of_falling_due(databases, rabbit, start_relay):
+    """No notification comes when a row's available_at passes: each source's
+    poll (one claim of every key per --poll-interval) finds it."""
+    queue = await rabbit.queue("#")
+    url = databases[0]
+    relay = start_relay(*outbox_args(rabbit, "--poll-interval", "0.5"), *both_schemas(url))
+    wait_until(lambda: relay.log.count("outbox relay started") == 2, timeout=30)
+    engine = sa.create_engine(url)
+    try:
+        rows(
+            engine,
+            "INSERT INTO t2.outbox (topic, payload, available_at) "
+            "VALUES ('later', '{}', now() + interval '2 seconds')",
+        )
+        due = time.monotonic() + 2
+        [message] = await rabbit.drain(queue, 1, timeout=10)
+        assert message.routing_key == "later"
+        assert time.monotonic() - due < 1.5
+    finally:
+        engine.dispose()
