@@ -49,7 +49,10 @@ def _as_server_user(argv: Sequence[str]) -> list[str]:
 class OwnPostgres:
     """One throwaway cluster. `url` has no database name (as bench.common.PG_URL)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Sequence[str] = ()) -> None:
+        # Server settings beyond the defaults (`max_connections=1000`), for
+        # the scenarios that need them (bench.sources); none for issue 24's.
+        self.settings = list(settings)
         self.bindir = _bindir()
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="relay-bench-pg-"))
@@ -90,7 +93,8 @@ class OwnPostgres:
             "-l",
             str(self.dir / "server.log"),
             "-o",
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir}",
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir}"
+            + "".join(f" -c {setting}" for setting in self.settings),
             "start",
         )
 
@@ -101,8 +105,8 @@ class OwnPostgres:
 
 
 @contextlib.asynccontextmanager
-async def own_postgres() -> AsyncIterator[OwnPostgres]:
-    server = OwnPostgres()
+async def own_postgres(settings: Sequence[str] = ()) -> AsyncIterator[OwnPostgres]:
+    server = OwnPostgres(settings)
     try:
         await asyncio.to_thread(server.start)
         yield server

@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relay.audit import Actor, record
 from relay.claimcheck import fetch_from
-from relay.config import ClaimCheckURL
+from relay.config import ClaimCheckURL, Source
 from relay.db import Store, retry_in
+from relay.db.store import STATUSES
+from relay.errors import SchemaError, Unavailable
 
 
-async def apply_schema(database_url: str) -> list[str]:
-    """Create or upgrade the tables; returns the names of the files applied."""
-    store = Store(database_url, pool_size=1)
+async def apply_schema(database_url: str, schema: str | None = None) -> list[str]:
+    """Create or upgrade the tables (in `schema`, made if missing; None: on
+    the search_path); returns the names of the files applied."""
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         return await store.apply_schema()
     finally:
         await store.close()
 
 
-async def table_status(database_url: str) -> dict[str, dict[str, Any]]:
+async def table_status(database_url: str, schema: str | None = None) -> dict[str, dict[str, Any]]:
     """What `relay status --json` prints."""
-    store = Store(database_url, pool_size=1)
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         await store.check_schema()  # no tables: one line that says so, no traceback
         return await store.status()
@@ -30,9 +34,45 @@ async def table_status(database_url: str) -> dict[str, dict[str, Any]]:
         await store.close()
 
 
-async def dead_keys(database_url: str, limit: int = 20) -> dict[str, list[tuple[Any, ...]]]:
+_AGE = "oldest_pending_seconds"
+
+
+async def sources_status(sources: Mapping[str, Source]) -> dict[str, Any]:
+    """`relay status --json` of several sources: each one's report under
+    `sources` (by label), and the tables' counts of them all (the oldest
+    pending age: the greatest). A source that cannot be read (its database
+    away, its tables missing) is `{"error": "..."}` there, left out of the
+    counts."""
+    reports = await asyncio.gather(*(_status_or_error(s) for s in sources.values()))
+    total: dict[str, Any] = {
+        table: {**dict.fromkeys(statuses, 0), _AGE: None} for table, statuses in STATUSES.items()
+    }
+    for report in reports:
+        for table, row in report.items():
+            if table == "error":
+                continue
+            into = total[table]
+            for name, value in row.items():
+                if name == _AGE:
+                    ages = [a for a in (into[name], value) if a is not None]
+                    into[name] = max(ages) if ages else None
+                else:
+                    into[name] += value
+    return {**total, "sources": dict(zip(sources, reports, strict=True))}
+
+
+async def _status_or_error(source: Source) -> dict[str, Any]:
+    try:
+        return await table_status(source.database_url, schema=source.schema)
+    except (Unavailable, SchemaError) as exc:
+        return {"error": str(exc)}
+
+
+async def dead_keys(
+    database_url: str, limit: int = 20, schema: str | None = None
+) -> dict[str, list[tuple[Any, ...]]]:
     """Keys held by dead rows (under --on-dead block), for `relay status`'s text."""
-    store = Store(database_url, pool_size=1)
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         return await store.dead_keys(limit)
     finally:
@@ -48,12 +88,13 @@ async def retry(
     consumer: str | None = None,
     claim_check: ClaimCheckURL | None = None,
     by: Actor | None = None,
+    schema: str | None = None,
 ) -> int:
     """Put dead (or the given) rows back to pending with attempts reset; returns how many.
     Inbox rows kept as claim check pointers get their S3 object first
     (`claim_check` gives S3's region and endpoint; without it they stay dead).
     With `by`, the audit trail records it in the same transaction."""
-    store = Store(database_url, pool_size=1)
+    store = Store(database_url, pool_size=1, schema=schema)
     objects = None
     if claim_check is not None:
         from relay.s3 import ObjectStore
@@ -82,4 +123,4 @@ async def retry(
             await objects.close()
 
 
-__all__ = ["apply_schema", "dead_keys", "retry", "table_status"]
+__all__ = ["apply_schema", "dead_keys", "retry", "sources_status", "table_status"]

@@ -147,9 +147,11 @@ async def entries(store: Store, *, limit: int = 100, before_id: int | None = Non
         ]
 
 
-async def run_list(database_url: str, *, limit: int, before_id: int | None) -> list[Entry]:
-    """`relay audit`: a page of the trail on a store of its own."""
-    store = Store(database_url, pool_size=1)
+async def run_list(
+    database_url: str, *, limit: int, before_id: int | None, schema: str | None = None
+) -> list[Entry]:
+    """`relay audit`: a page of the trail on a store of its own (on `schema`'s tables)."""
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         await store.check_schema()
         return await entries(store, limit=limit, before_id=before_id)

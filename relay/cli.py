@@ -46,15 +46,78 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
             self.fail(str(exc), param, ctx)
 
 
+def _schema(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    try:
+        return config.check_schema_name(value)
+    except ConfigError as exc:
+        _fail_config(exc)
+    return None
+
+
+_SCHEMA_OPTION = option(
+    "--schema",
+    default=None,
+    callback=_schema,
+    help="the schema of relay's tables, triggers and notifications "
+    "[default: the connection's search_path]",
+)
+
+
+def _schemas(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+    try:
+        return [str(config.check_schema_name(name)) for name in value]
+    except ConfigError as exc:
+        _fail_config(exc)
+    return []
+
+
+# `relay outbox` and `relay status` take several sources (relay.sources).
+_SOURCES_OPTIONS = [
+    option(
+        "--database-url",
+        multiple=True,
+        help="postgresql://user:pass@host:port/db; repeatable (several in the "
+        "variable: separated by whitespace)",
+    ),
+    option(
+        "--schema",
+        "schemas",
+        multiple=True,
+        callback=_schemas,
+        help="the schema of relay's tables, triggers and notifications; repeatable: "
+        "every schema in every database [default: the connection's search_path]",
+    ),
+    option(
+        "--sources",
+        default=None,
+        metavar="FILE",
+        help="a file of sources, one `URL [SCHEMA]` a line (# comments), read again "
+        "on SIGHUP and when it changes (instead of --database-url and --schema)",
+    ),
+]
+
+
 def _common(f: F) -> F:
-    for decorator in reversed(
-        [
+    return _with_common(f, several=False)
+
+
+def _with_common(f: F, *, several: bool) -> F:
+    database = (
+        _SOURCES_OPTIONS
+        if several
+        else [
             option(
                 "--database-url",
                 required=True,
                 help="postgresql://user:pass@host:port/db (several hosts: "
                 "postgresql://user@db1:5432,db2:5432/db; libpq's sslmode, sslrootcert, ...)",
             ),
+            _SCHEMA_OPTION,
+        ]
+    )
+    for decorator in reversed(
+        [
+            *database,
             option(
                 "--database-password-command",
                 default=None,
@@ -92,7 +155,7 @@ def _claim_check(url: str | None) -> config.ClaimCheckURL | None:
     return _build(config.ClaimCheckURL.parse, url=url) if url else None
 
 
-def _daemon_options(f: F) -> F:
+def _daemon_options(f: F, *, several: bool = False) -> F:
     for decorator in reversed(
         [
             option(
@@ -188,7 +251,37 @@ def _daemon_options(f: F) -> F:
         ]
     ):
         f = decorator(f)
-    return _common(f)
+    return _with_common(f, several=several)
+
+
+def _outbox_options(f: F) -> F:
+    return _daemon_options(f, several=True)
+
+
+def _sources_common(f: F) -> F:
+    return _with_common(f, several=True)
+
+
+def _sources(kwargs: dict[str, Any]) -> tuple[list[config.Source], str | None]:
+    """The sources of `relay outbox` or `relay status`: --sources FILE, else
+    every --schema in every --database-url (popped from kwargs)."""
+    urls, schemas, path = kwargs.pop("database_url"), kwargs.pop("schemas"), kwargs.pop("sources")
+    if path:
+        ctx = click.get_current_context()
+        given = [
+            flag
+            for flag, name in (("--database-url", "database_url"), ("--schema", "schemas"))
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        ]
+        if given:
+            _fail_config(ConfigError(f"give --sources or {' and '.join(given)}, not both"))
+        found = _build(config.read_sources, path=path)
+        if not found:
+            _fail_config(ConfigError(f"--sources {path!r} names no source"))
+    else:
+        found = _build(config.combine_sources, urls=urls, schemas=schemas)
+    logs.add_secrets(p for p in (config.url_password(s.database_url) for s in found) if p)
+    return found, path
 
 
 def _as_option(f: F) -> F:
@@ -217,8 +310,11 @@ def _setup_logs(kwargs: dict[str, Any]) -> None:
     from relay.db import connect
 
     connect.use_password_command(command)
+    # One URL, or (outbox, status) several, each of which may list several.
+    urls = kwargs.get("database_url") or ()
+    given = " ".join([urls] if isinstance(urls, str) else urls).split()
     secrets = [
-        config.url_password(kwargs.get("database_url")),
+        *(config.url_password(url) for url in given),
         *config.url_passwords(kwargs.get("broker_url")),
         config.url_password(kwargs.get("listen_url")),
     ]
@@ -289,7 +385,8 @@ def schema_apply(**kwargs: Any) -> None:
     _setup_logs(kwargs)
     from relay.api import apply_schema
 
-    applied = _run(apply_schema(_build(config.normalize_database_url, url=kwargs["database_url"])))
+    url = _build(config.normalize_database_url, url=kwargs["database_url"])
+    applied = _run(apply_schema(url, schema=kwargs["schema"]))
     if applied:
         click.echo(f"applied: {', '.join(applied)}")
     else:
@@ -297,18 +394,19 @@ def schema_apply(**kwargs: Any) -> None:
 
 
 @schema.command("sql")
-def schema_sql() -> None:
+@_SCHEMA_OPTION
+def schema_sql(schema: str | None) -> None:
     """Print the DDL that `relay schema apply` runs (needs no database)."""
     from relay.db import schema as schema_module
 
-    click.echo(schema_module.sql_script(), nl=False)
+    click.echo(schema_module.sql_script(schema), nl=False)
 
 
 # -- daemons -------------------------------------------------------------------
 
 
 @cli.command()
-@_daemon_options
+@_outbox_options
 @click.option("--once", is_flag=True, help="publish every row due now, then exit 0")
 # Checked by the settings (one line on stderr), not by click (a usage block).
 @option(
@@ -319,12 +417,34 @@ def schema_sql() -> None:
     help="RabbitMQ: a message no queue is bound for is published (and counted) or a failed attempt",
 )
 def outbox(once: bool, **kwargs: Any) -> None:
-    """The outbox relay: publish committed outbox rows to the broker."""
+    """The outbox relay: publish committed outbox rows to the broker (of one
+    source, or of several: every --schema in every --database-url, or --sources)."""
     _setup_logs(kwargs)
     from relay.wiring import serve_outbox
 
-    settings = _build(config.OutboxSettings, **_daemon_settings(kwargs))
-    sys.exit(_run(serve_outbox(settings, once=once)))
+    sources, path = _sources(kwargs)
+    first = sources[0]
+    settings = _build(
+        config.OutboxSettings,
+        database_url=first.database_url,
+        schema=first.schema,
+        **_daemon_settings(kwargs),
+    )
+    if len(sources) == 1 and path is None:
+        sys.exit(_run(serve_outbox(settings, once=once)))
+    if settings.listen_url and len({s.database_url for s in sources}) > 1:
+        _fail_config(
+            ConfigError(
+                "--listen-url names one database: give it only when every source is a "
+                "schema of that one --database-url"
+            )
+        )
+    from relay.sources import SOURCE_BATCH, serve_sources
+
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("batch_size") == click.core.ParameterSource.DEFAULT:
+        settings = _build(settings.replace, batch_size=SOURCE_BATCH)
+    sys.exit(_run(serve_sources(settings, config.labelled(sources), path=path, once=once)))
 
 
 @cli.command()
@@ -391,6 +511,7 @@ def inbox(**kwargs: Any) -> None:
 
 @cli.command()
 @option("--database-url", required=True, help="postgresql://user:pass@host:port/db")
+@_SCHEMA_OPTION
 @option(
     "--broker-url",
     default=None,
@@ -455,29 +576,55 @@ def demo(producer_only: bool, **kwargs: Any) -> None:
 
 
 @cli.command()
-@_common
+@_sources_common
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def status(as_json: bool, **kwargs: Any) -> None:
-    """Counts per table and status, and the age of the oldest pending row."""
+    """Counts per table and status, and the age of the oldest pending row (of
+    each source, and in all, when given several)."""
     _setup_logs(kwargs)
-    from relay.api import dead_keys, table_status
+    from relay.api import dead_keys, sources_status, table_status
 
-    url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    report = _run(table_status(url))
+    sources, path = _sources(kwargs)
+    if len(sources) > 1 or path is not None:
+        labelled = config.labelled(sources)
+        report = _run(sources_status(labelled))
+        failed = [label for label, r in report["sources"].items() if "error" in r]
+        if as_json:
+            click.echo(json.dumps(report))
+        else:
+            _print_status({t: report[t] for t in ("outbox", "inbox")}, {})
+            for label, source in labelled.items():
+                click.echo(f"source {label}:")
+                if label in failed:
+                    click.echo(f"  error: {report['sources'][label]['error']}")
+                    continue
+                held = _run(dead_keys(source.database_url, schema=source.schema))
+                _print_status(report["sources"][label], held, indent="  ")
+        if failed:
+            click.echo(f"relay: error: sources not read: {', '.join(failed)}", err=True)
+            sys.exit(EXIT_FAILURE)
+        return
+    [source] = sources
+    report = _run(table_status(source.database_url, schema=source.schema))
     if as_json:
         click.echo(json.dumps(report))
         return
-    held = _run(dead_keys(url))
+    _print_status(report, _run(dead_keys(source.database_url, schema=source.schema)))
+
+
+def _print_status(
+    report: dict[str, dict[str, Any]], held: dict[str, list[Any]], indent: str = ""
+) -> None:
     for table, row in report.items():
         counts = ", ".join(f"{k} {v}" for k, v in row.items() if k != "oldest_pending_seconds")
         age = row["oldest_pending_seconds"]
         oldest = "none pending" if age is None else f"oldest pending {age:.1f}s"
-        click.echo(f"{table}: {counts}; {oldest}")
+        click.echo(f"{indent}{table}: {counts}; {oldest}")
         for consumer, keys, total in held.get(table, []):
             scope = table if consumer is None else f"{table} (consumer {_shown(consumer)})"
             more = f" and {total - len(keys)} more" if total > len(keys) else ""
             click.echo(
-                f"{scope}: keys held by dead rows (under --on-dead block): "
+                f"{indent}{scope}: keys held by dead rows (under --on-dead block): "
                 f"{', '.join(_shown(k) for k in keys)}{more}"
             )
 
@@ -536,6 +683,7 @@ def retry(
             consumer=consumer,
             claim_check=_claim_check(claim_check),
             by=by,
+            schema=kwargs["schema"],
         )
     )
     click.echo(f"retried {count} {table} row{'s' if count != 1 else ''}")
@@ -605,6 +753,7 @@ def _filter_from(kwargs: dict[str, Any]) -> Any:
 def _dead_run(
     work: Callable[[Any], Coroutine[Any, Any, Any]],
     database_url: str,
+    schema: str | None,
     claim_check: config.ClaimCheckURL | None = None,
 ) -> Any:
     """Run `work(DeadMessages)`: bad input exits 2, a row not found exits 1."""
@@ -613,7 +762,7 @@ def _dead_run(
     url = _build(config.normalize_database_url, url=database_url)
 
     async def body() -> Any:
-        async with open_dead(url, claim_check) as dead:
+        async with open_dead(url, claim_check, schema=schema) as dead:
             return await work(dead)
 
     try:
@@ -656,7 +805,7 @@ def dead_list(limit: int, after: str | None, as_json: bool, **kwargs: Any) -> No
             if limit or cursor is None:
                 return rows, cursor
 
-    rows, cursor = _dead_run(work, kwargs["database_url"])
+    rows, cursor = _dead_run(work, kwargs["database_url"], kwargs["schema"])
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows]))
     else:
@@ -693,7 +842,11 @@ def dead_show(
 ) -> None:
     """Print one dead row: payload, headers, raw body, attempts and the full last_error."""
     _setup_logs(kwargs)
-    row = _dead_run(lambda d: d.get(row_id, table=table, consumer=consumer), kwargs["database_url"])
+    row = _dead_run(
+        lambda d: d.get(row_id, table=table, consumer=consumer),
+        kwargs["database_url"],
+        kwargs["schema"],
+    )
     if as_json:
         click.echo(json.dumps(row.to_json()))
         return
@@ -709,7 +862,7 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
     """Dead rows grouped by error (exception type and first line), with counts."""
     where = _filter_from(kwargs)
     _setup_logs(kwargs)
-    groups = _dead_run(lambda d: d.groups(where), kwargs["database_url"])
+    groups = _dead_run(lambda d: d.groups(where), kwargs["database_url"], kwargs["schema"])
     if as_json:
         click.echo(
             json.dumps(
@@ -753,6 +906,7 @@ def dead_retry(ids: tuple[str, ...], every: bool, claim_check: str | None, **kwa
     done = _dead_run(
         lambda d: d.retry(where, ids=ids, by=by),
         kwargs["database_url"],
+        kwargs["schema"],
         _claim_check(claim_check),
     )
     click.echo(", ".join(f"retried {n} {t} row{'s' if n != 1 else ''}" for t, n in done.items()))
@@ -798,6 +952,7 @@ def dead_edit(
             by=by,
         ),
         kwargs["database_url"],
+        kwargs["schema"],
     )
     what = " and ".join(n for n, v in (("payload", payload), ("headers", headers)) if v)
     click.echo(
@@ -836,7 +991,9 @@ def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs
     if not ids and where.is_empty() and not every:
         _fail_config(ConfigError("discard which rows? give a filter, --id ID or --all"))
     done = _dead_run(
-        lambda d: d.discard(where, ids=ids, reason=reason, by=by), kwargs["database_url"]
+        lambda d: d.discard(where, ids=ids, reason=reason, by=by),
+        kwargs["database_url"],
+        kwargs["schema"],
     )
     click.echo(
         ", ".join(
@@ -903,7 +1060,7 @@ def replay(
         _fail_config(exc)
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
     try:
-        count = _run(run(url, where, dry_run=dry_run, by=by))
+        count = _run(run(url, where, dry_run=dry_run, by=by, schema=kwargs["schema"]))
     except ReplayBusy as exc:
         click.echo(f"relay: error: {exc}", err=True)
         sys.exit(EXIT_FAILURE)
@@ -935,7 +1092,7 @@ def audit(as_json: bool, limit: int, before_id: int | None, **kwargs: Any) -> No
     from relay.console.views import describe_entry
 
     url = _build(config.normalize_database_url, url=kwargs["database_url"])
-    entries = _run(run_list(url, limit=limit, before_id=before_id))
+    entries = _run(run_list(url, limit=limit, before_id=before_id, schema=kwargs["schema"]))
     if as_json:
         click.echo(json.dumps([e.to_json() for e in entries]))
         return
@@ -989,6 +1146,7 @@ def console(claim_check: str | None, **kwargs: Any) -> None:
     settings = _build(
         ConsoleSettings,
         database_url=_build(config.normalize_database_url, url=kwargs["database_url"]),
+        schema=kwargs["schema"],
         host=kwargs["host"],
         port=kwargs["port"],
         token=token,

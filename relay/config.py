@@ -10,7 +10,7 @@ import dataclasses
 import os
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from relay.errors import ConfigError
@@ -178,6 +178,24 @@ def _check_tls_files(url: str, query: Mapping[str, list[str]]) -> None:
                 )
     if "keyfile" in query and "certfile" not in query:
         raise ConfigError(f"invalid broker URL {redact_url(url)!r}: keyfile without certfile")
+
+
+# A schema name relay takes (--schema): what PostgreSQL takes unquoted, case
+# kept (relay always quotes it), at most 63 bytes; `pg_` is PostgreSQL's own.
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def check_schema_name(name: str | None) -> str | None:
+    """--schema: None (the connection's search_path) or a usable schema
+    name, else ConfigError."""
+    if name is None:
+        return None
+    if not _SCHEMA_NAME.match(name) or name.startswith("pg_"):
+        raise ConfigError(
+            f"invalid --schema {name[:80]!r}: use a name of letters, digits and _ "
+            "(not starting with a digit or pg_), at most 63 characters"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -351,9 +369,12 @@ class DaemonSettings:
     # Large messages through S3 (relay.claimcheck); None: off.
     claim_check: ClaimCheckURL | None = None
     claim_check_over: int = DEFAULT_CLAIM_CHECK_OVER
+    # The schema of relay's tables (None: the connection's search_path).
+    schema: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", normalize_database_url(self.database_url))
+        check_schema_name(self.schema)
         if self.listen_url:
             object.__setattr__(
                 self, "listen_url", normalize_database_url(self.listen_url, "listen")
@@ -485,3 +506,87 @@ def parse_queue_arg(text: str) -> tuple[str, str | int]:
 def _positive(name: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"invalid --{name} {value}: must be greater than zero")
+
+
+# -- several sources in one outbox -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place `relay outbox` drains: a database (URL, normalized) and the
+    schema of relay's tables there (None: the connection's search_path)."""
+
+    database_url: str
+    schema: str | None = None
+
+    @property
+    def label(self) -> str:
+        """`database/schema`, the metrics' and status's name for it: never a
+        host or a credential. Without --schema, `database/public`."""
+        from psycopg.conninfo import conninfo_to_dict
+
+        params = conninfo_to_dict("postgresql://" + self.database_url.partition("://")[2])
+        database = params.get("dbname") or params.get("user") or "postgres"
+        return f"{database}/{self.schema or 'public'}"
+
+    def __repr__(self) -> str:
+        return f"Source({redact_url(self.database_url)!r}, {self.schema!r})"
+
+
+def combine_sources(urls: Sequence[str], schemas: Sequence[str | None]) -> list[Source]:
+    """Every schema in every database (`--database-url` and `--schema`
+    repeated; each URL may hold several separated by whitespace, as
+    RELAY_DATABASE_URL does), each once, in the order given."""
+    found: list[Source] = []
+    for given in urls:
+        for url in given.split():
+            normalized = normalize_database_url(url)
+            for schema in schemas or [None]:
+                source = Source(normalized, check_schema_name(schema))
+                if source not in found:
+                    found.append(source)
+    if not found:
+        normalize_database_url("")  # the usual "no database URL" error
+    return found
+
+
+def read_sources(path: str) -> list[Source]:
+    """A file of sources (`--sources`): one `URL [SCHEMA]` a line; `#` starts
+    a comment, blank lines are skipped. ConfigError names the bad line."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read --sources {path!r}: {exc}") from None
+    found: list[Source] = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2:
+            raise ConfigError(
+                f"--sources {path!r} line {number}: expected `URL [SCHEMA]`, got {len(words)} words"
+            )
+        try:
+            source = Source(
+                normalize_database_url(words[0]),
+                check_schema_name(words[1] if len(words) > 1 else None),
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"--sources {path!r} line {number}: {exc}") from None
+        if source not in found:
+            found.append(source)
+    return found
+
+
+def labelled(sources: Sequence[Source]) -> dict[str, Source]:
+    """The sources by label; two of one label (same database name on two
+    servers) are told apart as `label~2`, `label~3`, in order."""
+    named: dict[str, Source] = {}
+    for source in sources:
+        label, n = source.label, 1
+        while label in named:
+            n += 1
+            label = f"{source.label}~{n}"
+        named[label] = source
+    return named

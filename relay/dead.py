@@ -487,11 +487,13 @@ def _check_headers(text: str) -> str:
 
 @contextlib.asynccontextmanager
 async def open_dead(
-    database_url: str, claim_check: ClaimCheckURL | None = None
+    database_url: str,
+    claim_check: ClaimCheckURL | None = None,
+    schema: str | None = None,
 ) -> AsyncIterator[DeadMessages]:
-    """DeadMessages over a Store of its own, closed on exit; with
-    `claim_check`, retries fetch claim checked inbox rows' objects."""
-    store = Store(database_url, pool_size=1)
+    """DeadMessages over a Store of its own (on `schema`'s tables), closed on
+    exit; with `claim_check`, retries fetch claim checked inbox rows' objects."""
+    store = Store(database_url, pool_size=1, schema=schema)
     objects = None
     if claim_check is not None:
         from relay.s3 import ObjectStore

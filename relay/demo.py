@@ -25,7 +25,13 @@ from typing import Any, TextIO
 
 import relay
 from relay.backoff import Backoff, sleep_unless
-from relay.config import BrokerURL, InboxSettings, OutboxSettings, normalize_database_url
+from relay.config import (
+    BrokerURL,
+    InboxSettings,
+    OutboxSettings,
+    check_schema_name,
+    normalize_database_url,
+)
 from relay.db import Connection, Store, create_database_if_missing, named
 from relay.errors import ConfigError, Unavailable
 from relay.handlers import HandlerRegistry, Message
@@ -83,9 +89,11 @@ class DemoSettings:
     queue: str = "relay-demo"
     http_port: int = 0
     producer_only: bool = False
+    schema: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", normalize_database_url(self.database_url))
+        check_schema_name(self.schema)
         if self.rate <= 0:
             raise ConfigError(f"invalid --rate {self.rate}: must be greater than zero")
         if self.duration < 0:
@@ -104,6 +112,7 @@ class DemoSettings:
             broker=self.broker,
             exchange=self.exchange,
             shutdown_timeout=SHUTDOWN_TIMEOUT,
+            schema=self.schema,
         )
 
     def inbox(self) -> InboxSettings:
@@ -117,6 +126,7 @@ class DemoSettings:
             shutdown_timeout=SHUTDOWN_TIMEOUT,
             # Smaller batches than the default commit more often: smoother rates.
             batch_size=INBOX_BATCH,
+            schema=self.schema,
         )
 
 
@@ -226,12 +236,13 @@ async def report(
         out.flush()
 
 
-async def prepare(database_url: str) -> list[str]:
-    """Apply relay's schema and create the demo's table; returns the files applied."""
+async def prepare(database_url: str, schema: str | None = None) -> list[str]:
+    """Apply relay's schema and create the demo's table (in `schema`);
+    returns the files applied."""
     from relay.api import apply_schema
 
-    applied = await apply_schema(database_url)
-    store = Store(database_url, pool_size=1)
+    applied = await apply_schema(database_url, schema)
+    store = Store(database_url, pool_size=1, schema=schema)
     try:
         async with store.transaction() as conn:
             await conn.execute(named("demo_lock"), {"id": _DEMO_LOCK})
@@ -247,7 +258,7 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
     created = await create_database_if_missing(settings.database_url)
     if created:
         out.write(f"relay demo: created database {created!r}\n")
-    applied = await prepare(settings.database_url)
+    applied = await prepare(settings.database_url, settings.schema)
     out.write(
         f"relay demo: schema {'applied: ' + ', '.join(applied) if applied else 'up to date'}"
         f"; producing {settings.rate:g} messages/s to topic {settings.topic!r}"
@@ -261,7 +272,7 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
     )
     out.flush()
 
-    store = Store(settings.database_url, pool_size=2)
+    store = Store(settings.database_url, pool_size=2, schema=settings.schema)
     stop = asyncio.Event()
     counts = _Counts()
     consumer = None if settings.producer_only else settings.inbox().consumer_name

@@ -653,7 +653,7 @@ class DispatcherThread:
             # message in it (which one hangs is not known); having failed,
             # each runs alone next time, and only the one that hangs again
             # fails again (relay.batches.run_in_parts).
-            store = Store(settings.database_url, pool_size=1)
+            store = Store(settings.database_url, pool_size=1, schema=settings.schema)
             try:
                 statuses = await store.fail_hung_handler(
                     pid,

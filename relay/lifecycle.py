@@ -161,7 +161,9 @@ class Daemon:
         for service in self.services:
             failure = await self._service_unready(service)
             if failure is not None:
-                return f"{service.name}: {failure}"
+                # Which of several databases (relay.sources), when it can say.
+                which = service.unready() if service.unready is not None else None
+                return f"{service.name}: {failure}" + (f" ({which})" if which else "")
             reason = service.unready() if service.unready is not None else None
             if reason:
                 return f"{service.name}: {reason}"
@@ -175,7 +177,7 @@ class Daemon:
         try:
             if await asyncio.wait_for(service.ready(), PROBE_TIMEOUT):
                 return None
-            return "the broker does not answer"
+            return "the database or the broker does not answer"
         except TimeoutError:
             return f"the database or the broker did not answer within {PROBE_TIMEOUT:g}s"
         except Exception as exc:  # an unreachable server: not ready, and why

@@ -58,10 +58,27 @@ def message_context(message: Message) -> Iterator[None]:
         _current_message.reset(token)
 
 
+# The source (`database/schema`) an outbox of several sources runs a loop
+# for (relay.sources): set in the context its tasks are created in, so that
+# every line of that source's loops, listener and jobs names it.
+_current_source: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "relay_current_source", default=None
+)
+
+
+def set_source(label: str | None) -> None:
+    """Log records of this context (and of tasks created in it) carry `source`."""
+    _current_source.set(label)
+
+
 class MessageContextFilter(logging.Filter):
-    """Adds the fields of the message being handled to records that lack them."""
+    """Adds the fields of the message being handled (and the source, in an
+    outbox of several) to records that lack them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        source = _current_source.get()
+        if source is not None and not hasattr(record, "source"):
+            record.source = source
         message = _current_message.get()
         if message is not None:
             for key, value in message_fields(message).items():
@@ -199,6 +216,16 @@ _configured: tuple[str, str, tuple[str, ...]] | None = None
 def configuration() -> tuple[str, str, tuple[str, ...]] | None:
     """(level, format, secrets) of the last setup(), or None before any."""
     return _configured
+
+
+def add_secrets(secrets: Iterable[str]) -> None:
+    """Mask these too from now on (sources read at run time)."""
+    if _configured is None:
+        return
+    level, fmt, known = _configured
+    more = [s for s in secrets if s and s not in known]
+    if more:
+        setup(level, fmt, [*known, *more])
 
 
 def setup(level: str = "INFO", fmt: str = "text", secrets: Iterable[str] = ()) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
@@ -179,10 +180,22 @@ def _retention_job(
 
 
 async def run_scheduler(
-    store: Store, table: str, retention: float | None, metrics: Any, stop: asyncio.Event
+    store: Store,
+    table: str,
+    retention: float | None,
+    metrics: Any,
+    stop: asyncio.Event,
+    *,
+    stagger: bool = False,
 ) -> None:
     """Run the jobs until `stop` is set (or the task is cancelled); without
-    retention (None: `relay outbox --once`), the gauges and vacuums only."""
+    retention (None: `relay outbox --once`), the gauges and vacuums only.
+
+    With `stagger` (each source of an outbox of several, relay.sources) the
+    periodic jobs start at a random point of their interval: a hundred
+    sources started together would otherwise look at their tables in the
+    same instant every second, a burst on the one event loop that every
+    source's next row would wait behind."""
 
     vacuums = Vacuums(store, table, metrics)
 
@@ -195,17 +208,26 @@ async def run_scheduler(
         metrics.pending.set(count)
         metrics.oldest_pending.set(age)
 
+    # (looked at, dead versions seen): with `stagger`, a quiet table (few
+    # dead versions) is looked at every GAUGE_INTERVAL only, not every
+    # VACUUM_CHECK: a hundred idle sources' looks were most of their cost.
+    last = [0.0, 0]
+
     async def look() -> None:
         try:
             dead, vacuumed = await table_health(store, table)
         except Unavailable:
             return
+        last[:] = [time.monotonic(), dead]
         metrics.dead_tuples.labels(table=table).set(dead)
         metrics.last_vacuum.labels(table=table).set(vacuumed)
         await vacuums.check(dead, vacuumed)
 
     @_job
     async def health() -> None:
+        quiet = last[1] < VACUUM_AFTER_DEAD // 10
+        if stagger and quiet and time.monotonic() - last[0] < GAUGE_INTERVAL:
+            return
         vacuums.start(look)
 
     scheduler = AsyncIOScheduler(job_defaults={"coalesce": True, "max_instances": 1})
@@ -218,8 +240,16 @@ async def run_scheduler(
             id="retention",
             next_run_time=now + timedelta(seconds=RETENTION_FIRST_RUN),
         )
-    scheduler.add_job(gauges, "interval", seconds=GAUGE_INTERVAL, id="gauges", next_run_time=now)
-    scheduler.add_job(health, "interval", seconds=VACUUM_CHECK, id="health", next_run_time=now)
+
+    def first(interval: float) -> datetime:
+        return now + timedelta(seconds=random.uniform(0, interval) if stagger else 0)
+
+    scheduler.add_job(
+        gauges, "interval", seconds=GAUGE_INTERVAL, id="gauges", next_run_time=first(GAUGE_INTERVAL)
+    )
+    scheduler.add_job(
+        health, "interval", seconds=VACUUM_CHECK, id="health", next_run_time=first(VACUUM_CHECK)
+    )
     scheduler.start()
     try:
         await stop.wait()

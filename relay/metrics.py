@@ -29,11 +29,18 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_table_dead_tuples{table} | gauge | the table's dead row versions (n_dead_tup) |
 | relay_table_last_vacuum_timestamp_seconds{table} | gauge | its last (auto)vacuum, Unix time |
 | relay_table_vacuums_total{table} | counter | VACUUMs relay itself ran of the table (churn) |
+
+An outbox of several sources (relay.sources) has one registry whose
+outbox and table metrics carry a first label `source` (`database/schema`);
+each source's loop counts on its own view of it (OutboxMetrics.for_source).
+One source alone has no such label: the names and series stay as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -55,74 +62,151 @@ class _ClockedHistogram(Histogram):
         super().observe(amount, exemplar)
 
 
-def _table_metrics(r: CollectorRegistry) -> tuple[Gauge, Gauge, Counter]:
+def _table_metrics(
+    r: CollectorRegistry, labels: Sequence[str] = ()
+) -> tuple[Gauge, Gauge, Counter]:
     """The daemon's table as autovacuum sees it, and relay's own vacuums of
     it (relay.maintenance.Vacuums; docs/backlog.md)."""
     return (
         Gauge(
             "relay_table_dead_tuples",
             "Dead row versions of the table (pg_stat_user_tables.n_dead_tup)",
-            ["table"],
+            [*labels, "table"],
             registry=r,
         ),
         Gauge(
             "relay_table_last_vacuum_timestamp_seconds",
             "Unix time of the table's last vacuum or autovacuum (0: never)",
-            ["table"],
+            [*labels, "table"],
             registry=r,
         ),
         Counter(
             "relay_table_vacuums",
             "VACUUMs relay ran of its table under churn (autovacuum's not counted)",
-            ["table"],
+            [*labels, "table"],
             registry=r,
         ),
     )
 
 
+class _Bound:
+    """A metric of several labels with its first (`source`) given: the
+    per-source view's `.labels(topic)` or `.labels(table=...)`."""
+
+    def __init__(self, metric: Any, source: str) -> None:
+        self._metric = metric
+        self._source = source
+
+    def labels(self, *values: str, **named: str) -> Any:
+        if named:
+            return self._metric.labels(source=self._source, **named)
+        return self._metric.labels(self._source, *values)
+
+    def remove(self) -> None:
+        """Forget every series of this source (a source dropped at run time)."""
+        for key in list(self._metric._metrics):
+            if key[0] == self._source:
+                self._metric.remove(*key)
+
+
 class OutboxMetrics:
-    def __init__(self) -> None:
+    """The outbox's metrics; with `by_source`, each has a first label
+    `source`, and the loops count on a view of one source (for_source)."""
+
+    # Counted on by the loops: a metric, or for a view a source's series.
+    unroutable: Counter | _Bound
+    dead_tuples: Gauge | _Bound
+    last_vacuum: Gauge | _Bound
+    vacuums: Counter | _Bound
+
+    def __init__(self, *, by_source: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        labels = ["source"] if by_source else []
         self.published = Counter(
-            "relay_outbox_published", "Outbox rows confirmed by the broker", registry=r
+            "relay_outbox_published",
+            "Outbox rows confirmed by the broker",
+            labels,
+            registry=r,
         )
         self.failed = Counter(
-            "relay_outbox_failed", "Failed publish attempts (rows retried or dead)", registry=r
+            "relay_outbox_failed",
+            "Failed publish attempts (rows retried or dead)",
+            labels,
+            registry=r,
         )
-        self.dead = Counter("relay_outbox_dead", "Outbox rows that became dead", registry=r)
+        self.dead = Counter("relay_outbox_dead", "Outbox rows that became dead", labels, registry=r)
         self.unroutable = Counter(
             "relay_outbox_unroutable",
             "Outbox rows the broker confirmed but could route to no queue, by topic",
-            ["topic"],
+            [*labels, "topic"],
             registry=r,
         )
         self.deleted = Counter(
-            "relay_outbox_deleted", "Published outbox rows deleted by retention", registry=r
+            "relay_outbox_deleted",
+            "Published outbox rows deleted by retention",
+            labels,
+            registry=r,
         )
-        self.pending = Gauge("relay_outbox_pending", "Pending outbox rows", registry=r)
+        self.pending = Gauge("relay_outbox_pending", "Pending outbox rows", labels, registry=r)
         self.oldest_pending = Gauge(
             "relay_outbox_oldest_pending_seconds",
             "Age of the oldest pending outbox row (0 when none)",
+            labels,
             registry=r,
         )
         self.publish_seconds = Histogram(
             "relay_outbox_publish_seconds",
             "Time from claiming a batch to the broker's last confirm",
+            labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.claim_checked = Counter(
             "relay_outbox_claim_checked",
             "Outbox rows published by claim check (body stored in S3, pointer published)",
+            labels,
             registry=r,
         )
         self.claim_check_bytes = Counter(
             "relay_outbox_claim_check_uploaded_bytes",
             "Bytes of message bodies stored in S3 by the claim check",
+            labels,
             registry=r,
         )
-        self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r)
+        self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r, labels)
+
+    _PLAIN = (
+        "published",
+        "failed",
+        "dead",
+        "deleted",
+        "pending",
+        "oldest_pending",
+        "publish_seconds",
+        "claim_checked",
+        "claim_check_bytes",
+    )
+    _LABELED = ("unroutable", "dead_tuples", "last_vacuum", "vacuums")
+
+    def for_source(self, source: str) -> OutboxMetrics:
+        """The metrics one source's loop counts on: this registry's series
+        of `source` (the metrics made with by_source)."""
+        view = object.__new__(OutboxMetrics)
+        view.registry = self.registry
+        for name in self._PLAIN:
+            setattr(view, name, getattr(self, name).labels(source))
+        for name in self._LABELED:
+            setattr(view, name, _Bound(getattr(self, name), source))
+        return view
+
+    def forget(self, source: str) -> None:
+        """Drop a source's series (the source was dropped at run time)."""
+        for name in self._PLAIN:
+            with contextlib.suppress(KeyError):  # never counted
+                getattr(self, name).remove(source)
+        for name in self._LABELED:
+            _Bound(getattr(self, name), source).remove()
 
     def claim_check_sent(self, messages: int, uploaded: int) -> None:
         """relay.s3.ClaimCheckPublisher's report of one batch."""

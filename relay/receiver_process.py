@@ -70,7 +70,7 @@ class LocalReceiver:
                 queue_args=settings.queue_args,
             )
         self.consumer = consumer
-        self.writer = InboxWriter(settings.database_url)
+        self.writer = InboxWriter(settings.database_url, settings.schema)
         self.receiver = Receiver(settings, self.writer, self.consumer, pace, report)
         self.stopping = self.receiver.stopping
 

@@ -159,10 +159,16 @@ async def replay(
 
 
 async def run(
-    database_url: str, where: ReplayFilter, *, dry_run: bool = False, by: Actor | None = None
+    database_url: str,
+    where: ReplayFilter,
+    *,
+    dry_run: bool = False,
+    by: Actor | None = None,
+    schema: str | None = None,
 ) -> int:
-    """`relay replay`: the count (dry run) or the replay, on a store of its own."""
-    store = Store(database_url, pool_size=2)
+    """`relay replay`: the count (dry run) or the replay, on a store of its own
+    (on `schema`'s tables)."""
+    store = Store(database_url, pool_size=2, schema=schema)
     try:
         await store.check_schema()
         if dry_run:

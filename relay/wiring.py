@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -44,14 +45,27 @@ async def check_database_tls(settings: DaemonSettings) -> None:
         await check_tls(settings.listen_url, "--listen-url")
 
 
-def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
+def outbox_service(
+    settings: OutboxSettings,
+    *,
+    once: bool = False,
+    metrics: OutboxMetrics | None = None,
+    pool_size: int = 2,
+    stagger: bool = False,
+    one_poll: bool = False,
+) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
-    listener, the scheduled jobs, probes and metrics (not running yet)."""
+    listener, the scheduled jobs, probes and metrics (not running yet).
+    `metrics`: one source's view of an outbox of several (relay.sources),
+    which keeps fewer idle connections for its jobs (`pool_size`), spreads
+    their runs (`stagger`: relay.maintenance.run_scheduler) and polls once
+    per --poll-interval rather than once per worker (`one_poll`)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
-    store = Store(settings.database_url, pool_size=2)
-    metrics = OutboxMetrics()
+    store = Store(settings.database_url, pool_size=pool_size, schema=settings.schema)
+    if metrics is None:
+        metrics = OutboxMetrics()
     publisher = make_publisher(
         broker,
         exchange=settings.exchange,
@@ -61,7 +75,16 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         claim_check_over=settings.claim_check_over,
         on_claim_check=metrics.claim_check_sent,
     )
-    relay = OutboxRelay(settings, store, publisher, metrics)
+    loop_settings = settings
+    if one_poll and not once:
+        # Each idle worker's own poll comes seldom; a poller wakes the relay
+        # every --poll-interval as a notification does, and one idle worker
+        # (a scout) claims the due rows of every key: one claim where the
+        # four workers made four, the same rows found as soon.
+        loop_settings = dataclasses.replace(
+            settings, poll_interval=max(settings.poll_interval, WORKER_POLL)
+        )
+    relay = OutboxRelay(loop_settings, store, publisher, metrics)
     probe_lock = asyncio.Lock()
 
     async def main(started: Started) -> None:
@@ -103,12 +126,19 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
     # but the gauges and the churn vacuum, which a catch-up needs most.
     background = {
         "scheduler": lambda stop: run_scheduler(
-            store, "outbox", None if once else settings.retention, relay.metrics, stop
+            store,
+            "outbox",
+            None if once else settings.retention,
+            relay.metrics,
+            stop,
+            stagger=stagger,
         ),
     }
     if not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
+    if loop_settings is not settings:
+        background["poller"] = lambda stop: _poll(relay, settings.poll_interval)
     return Service(
         name="outbox",
         main=main,
@@ -126,6 +156,17 @@ def outbox_service(settings: OutboxSettings, *, once: bool = False) -> Service:
         stall_after=STALL_AFTER + settings.poll_interval,
         on_stop=[publisher.close, relay.close, store.close, tracing.flush],
     )
+
+
+# An idle worker's own poll under `one_poll` (outbox_service).
+WORKER_POLL = 60.0
+
+
+async def _poll(relay: OutboxRelay, interval: float) -> None:
+    """Wake the relay every `interval` seconds, as a notification would."""
+    while True:
+        await asyncio.sleep(interval)
+        relay.wake()
 
 
 async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
@@ -163,7 +204,7 @@ def inbox_service(
     # Log lines a handler emits carry the message's id, type and traceparent.
     registry = with_log_context(registry)
     metrics = InboxMetrics()
-    store = Store(settings.database_url, pool_size=2)
+    store = Store(settings.database_url, pool_size=2, schema=settings.schema)
     pace = Pace(PACE_BATCHES * DISPATCHERS * settings.batch_size, DISPATCHERS)
 
     def wake_dispatcher() -> None:
@@ -197,7 +238,9 @@ def inbox_service(
     def make_dispatcher(worker: int) -> DispatcherThread:
         return DispatcherThread(
             lambda: (
-                dispatch_store := Store(settings.database_url, pool_size=2, sync=all_sync),
+                dispatch_store := Store(
+                    settings.database_url, pool_size=2, sync=all_sync, schema=settings.schema
+                ),
                 Dispatcher(
                     settings,
                     dispatch_store,

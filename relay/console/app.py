@@ -96,6 +96,7 @@ SECURITY_HEADERS = {
 @dataclass(frozen=True)
 class ConsoleSettings:
     database_url: str
+    schema: str | None = None
     host: str = "127.0.0.1"
     port: int = 8089
     token: str | None = None  # RELAY_CONSOLE_TOKEN: one operator named `operator`
@@ -256,7 +257,7 @@ class Console:
     def __init__(self, settings: ConsoleSettings, store: Store | None = None) -> None:
         self.settings = settings
         self.guard = Guard(settings.operators)
-        self.store = store or Store(settings.database_url, pool_size=2)
+        self.store = store or Store(settings.database_url, pool_size=2, schema=settings.schema)
         objects = None
         if settings.claim_check is not None:
             from relay.s3 import ObjectStore

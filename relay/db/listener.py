@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import sql
 
 from relay.config import redact_url
 from relay.db import connect as pg
@@ -24,6 +26,14 @@ log = logging.getLogger("relay.store")
 
 # How long the listener's self-check waits for its own notification.
 SELF_CHECK_SECONDS = 5.0
+
+
+def _listen(channel: str) -> str | sql.Composed:
+    """LISTEN on `channel`: quoted when it must be (a schema's channel, such
+    as relay_outbox.T2); the plain names as they always were sent."""
+    if re.fullmatch(r"[a-z_][a-z0-9_]*", channel):
+        return "LISTEN " + channel  # checked just above: a plain name
+    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
 
 
 class Listener:
@@ -46,11 +56,15 @@ class Listener:
         channel: str,
         wake: Callable[[], None],
         notify: Callable[[str], Awaitable[None]] | None = None,
+        locate: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
         self.conninfo = conninfo
-        self.channel = channel
+        self.base_channel = self.channel = channel
         self.wake = wake
         self.notify = notify
+        # The channel of relay's tables' schema, asked on each connect
+        # (Store.channel; relay.db.namespace): the trigger notifies that one.
+        self.locate = locate
         self.connected = asyncio.Event()
 
     @classmethod
@@ -60,15 +74,23 @@ class Listener:
         """A Listener on `listen_url` (else the store's database URL) that
         checks itself with a notification sent through the store."""
         conninfo = pg.libpq_url(listen_url) if listen_url else store.conninfo
-        return cls(conninfo, channel, wake, notify=lambda payload: store.notify(channel, payload))
+        listener: Listener
+
+        async def notify(payload: str) -> None:
+            await store.notify(listener.channel, payload)
+
+        listener = cls(conninfo, channel, wake, notify=notify, locate=store.channel)
+        return listener
 
     async def run(self) -> None:
         delay = 0.5
         said = False  # one line per outage: the daemon's loop logs each of its waits
         while True:
             try:
+                if self.locate is not None:
+                    self.channel = await self.locate(self.base_channel)
                 async with await pg.connect(self.conninfo) as conn:
-                    await conn.execute(f"LISTEN {self.channel}")  # a constant, never input
+                    await conn.execute(_listen(self.channel))
                     if not await self._self_check(conn):
                         log.warning(
                             "LISTEN/NOTIFY does not work on this connection (%s): a "

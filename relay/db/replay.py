@@ -77,7 +77,7 @@ async def move(conn: AsyncConnection, table: str, where: Any) -> int:
     cond, params = condition(table, where)
     sql = query(f"replay_{table}").format(where=cond)
     result = await conn.execute(statement(sql), params)
-    await conn.execute(named("notify_wake"), {"channel": f"relay_{table}"})
+    await conn.execute(named("notify_wake"), {"channel": f"relay_{table}", "table": table})
     return int(result.rowcount)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import BYTEA, JSON, JSONB, UUID
 
+from relay.db import namespace
 from relay.db.sql import query
 from relay.errors import SchemaError, SchemaNotReady
 
@@ -143,9 +144,23 @@ def latest_version() -> int:
     return migrations()[-1].version
 
 
-def sql_script() -> str:
-    """Everything `apply` would run on an empty database, as one script."""
-    parts = ["BEGIN;", VERSION_TABLE_DDL]
+def _into_schema(schema: str) -> list[str]:
+    """The statements that make `schema` and point this transaction's DDL at
+    it (relay.db.namespace: only it on the search_path, so that nothing
+    lands in `public` or is taken from there)."""
+    return [
+        query("schema_create").replace("{schema}", namespace.quoted(schema)),
+        f"SET LOCAL search_path TO {namespace.quoted(schema)}",
+    ]
+
+
+def sql_script(schema: str | None = None) -> str:
+    """Everything `apply` would run on an empty database (with `schema`:
+    making the schema and creating the tables in it), as one script."""
+    parts = ["BEGIN;"]
+    if schema is not None:
+        parts.extend(statement + ";" for statement in _into_schema(schema))
+    parts.append(VERSION_TABLE_DDL)
     for m in migrations():
         parts.append(f"-- {m.name}\n{m.sql.rstrip()}\n")
         parts.append(
@@ -156,9 +171,16 @@ def sql_script() -> str:
     return "\n".join(parts) + "\n"
 
 
-def apply(conn: sa.Connection) -> list[str]:
-    """Apply the missing migrations in the caller's transaction; returns their names."""
+def apply(conn: sa.Connection, schema: str | None = None) -> list[str]:
+    """Apply the missing migrations in the caller's transaction (with
+    `schema`: in that schema, made if missing); returns their names.
+
+    One lock for every schema of the database: applies run one at a time,
+    and two that make the same schema do not collide."""
     conn.execute(sa.text(query("schema_apply_lock")), {"id": APPLY_LOCK_ID})
+    if schema is not None:
+        for statement in _into_schema(schema):
+            conn.exec_driver_sql(statement)
     conn.execute(sa.text(VERSION_TABLE_DDL))
     done = set(conn.execute(sa.text(query("schema_versions_applied"))).scalars())
     known = migrations()

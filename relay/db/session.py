@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 from relay.db import connect as pg
+from relay.db import namespace
 from relay.db.errors import (
     is_disconnect,
     is_driver_error,
@@ -53,7 +54,9 @@ MARK_OUTBOX_FAILED = pyformat(query("outbox_mark_failed"))
 # The class spells "rels"; the producer trigger's per-key locks use class
 # 0x72656C79 ("rely") of the same space, and the schema's, retention's and
 # the demo's locks the one-bigint space, which never meets this one.
-SHARE_LOCK_CLASS = 0x72656C73
+# Relays on another schema's outbox take another class
+# (relay.db.namespace.share_lock_class).
+SHARE_LOCK_CLASS = namespace.SHARE_LOCK_CLASS
 # How long a worker waits in PostgreSQL for its share before it asks again
 # (ShareBusy): far longer than a batch holds it, short enough that a
 # stopping relay's waiting workers notice within a second.
@@ -82,10 +85,10 @@ def _written(sql: str, values: Sequence[int | Sequence[int]]) -> str:
 
 
 @functools.cache
-def _share_wait(key: int) -> str:
+def _share_wait(key: int, lock_class: int = SHARE_LOCK_CLASS) -> str:
     """The wait for share lock `key`, written out once per share: a
     worker sends the same one with every batch."""
-    return _written(_SHARE_WAIT, [SHARE_WAIT_MS, SHARE_LOCK_CLASS, key])
+    return _written(_SHARE_WAIT, [SHARE_WAIT_MS, lock_class, key])
 
 
 def _lost(exc: BaseException) -> bool:
@@ -110,13 +113,27 @@ class OutboxSession:
     """
 
     def __init__(
-        self, conninfo: str, options: Sequence[str], on_dead: str, shares: int = 1
+        self,
+        conninfo: str,
+        options: Sequence[str],
+        on_dead: str,
+        shares: int = 1,
+        *,
+        schema: str | None = None,
+        located: str | None = None,
     ) -> None:
         self.conninfo = conninfo
         self.options = " ".join([*options, *OUTBOX_SESSION_OPTIONS])
         self.on_dead = on_dead
         # The keys' shares the locks are taken for: the relay's workers.
         self.shares = shares
+        # --schema (its search_path is in `options`, and behind a pooler set
+        # per batch), and the schema the outbox was found in, whose share
+        # locks these are (relay.db.namespace).
+        self._pooled_session = _POOLED_SESSION
+        if schema is not None:
+            self._pooled_session += "; " + namespace.set_local(schema)
+        self.lock_class = namespace.share_lock_class(located)
         self._conn: psycopg.AsyncConnection[Any] | None = None
         # Behind a pooler (see relay.db.connect): no PREPARE and no session
         # settings; each batch says its statements and SET LOCALs in full,
@@ -146,11 +163,11 @@ class OutboxSession:
             args = [int(limit), int(worker), int(workers)]
             if every_key:
                 tried = [share_key(s, self.shares) for s in range(self.shares) if s not in held]
-                lock = _written(_SHARES_TRY, [SHARE_LOCK_CLASS, tried])
+                lock = _written(_SHARES_TRY, [self.lock_class, tried])
             else:
-                lock = _share_wait(share_key(worker, workers))
+                lock = _share_wait(share_key(worker, workers), self.lock_class)
             if self.pooled:
-                claim = f"{_POOLED_SESSION}; {lock}; {_written(self._claim_sql, args)}"
+                claim = f"{self._pooled_session}; {lock}; {_written(self._claim_sql, args)}"
             else:
                 claim = f"{lock}; EXECUTE relay_claim({', '.join(map(str, args))})"
             await cursor.execute(f"BEGIN; {claim}")

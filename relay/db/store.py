@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from relay.claimcheck import Fetch, read_pointer, where, without_size
 from relay.config import redact_url
 from relay.db import connect as pg
-from relay.db import schema
+from relay.db import namespace, schema
 from relay.db.errors import failed_command, server_unavailable, translate_errors
 from relay.db.session import OutboxSession
 from relay.db.sql import claim, query
@@ -223,18 +223,62 @@ def _connect_as_libpq(engine: sa.Engine, conninfo: str) -> None:
             pg.noticed_pooler()
 
 
-class Store:
-    """The relay's view of PostgreSQL: an async engine and named queries."""
+def _set_search_path_per_transaction(engine: sa.Engine, schema: str) -> None:
+    """Behind a pooler, where the search_path of the startup options does not
+    reach the server (and a session SET would not reach the next
+    transaction), begin each transaction of `engine` with SET LOCAL
+    search_path: one round trip more per transaction, only there. Not on
+    an AUTOCOMMIT connection (the vacuum's), which names its table in full."""
+    set_path = namespace.set_local(schema)
 
-    def __init__(self, database_url: str, *, pool_size: int = 5, sync: bool = False) -> None:
+    @sa.event.listens_for(engine, "begin")
+    def begin(conn: sa.Connection) -> None:
+        if conn.info.get("relay_pooled"):
+            conn.info["relay_path_due"] = True
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def before(
+        conn: sa.Connection,
+        cursor: Any,
+        statement: str,
+        parameters: Any,
+        context: Any,
+        executemany: bool,
+    ) -> None:
+        if not conn.info.pop("relay_path_due", False):
+            return
+        if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            cursor.execute(set_path)
+
+
+class Store:
+    """The relay's view of PostgreSQL: an async engine and named queries.
+
+    With `schema` (--schema), relay's tables are that schema's: its
+    connections' search_path starts with it (relay.db.namespace)."""
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        pool_size: int = 5,
+        sync: bool = False,
+        schema: str | None = None,
+    ) -> None:
         self.database_url = database_url
         # libpq parses the URL (several hosts, TLS parameters); SQLAlchemy's
         # URL cannot hold several hosts, so its engines get this one instead.
         self._conninfo = pg.libpq_url(database_url)
+        self.schema = schema
+        # The schema the tables were found in (locate()): --schema, or where
+        # the search_path led.
+        self.located: str | None = schema
         # JIT compiles the claim for far longer than the claim runs without
         # it, because its cost estimate is large (docs/outbox.md). Options given in the URL
-        # (`?options=-csearch_path%3Dapp`) are kept.
+        # (`?options=-csearch_path%3Dapp`) are kept; --schema's search_path comes after them.
         self.session_options = [*_url_options(self._conninfo), "-c jit=off"]
+        if schema is not None:
+            self.session_options.append(namespace.path_option(schema))
         options: dict[str, Any] = {
             "pool_size": pool_size,
             "max_overflow": pool_size,
@@ -255,6 +299,8 @@ class Store:
         for engine in (self.engine.sync_engine, self.sync_engine):
             if engine is not None:
                 _connect_as_libpq(engine, self._conninfo)
+                if schema is not None:
+                    _set_search_path_per_transaction(engine, schema)
         self._claim_inbox = {
             policy: sa.text(claim("inbox", policy)) for policy in ("skip", "block")
         }
@@ -307,24 +353,57 @@ class Store:
                 raise DatabaseUnavailable(READ_ONLY)
 
     async def check_schema(self) -> None:
-        """SchemaError unless the tables exist at the version this relay knows."""
+        """SchemaError unless the tables exist at the version this relay knows
+        (with --schema: in that schema, not merely on the search_path)."""
+        version_table = namespace.qualified("relay_schema_version", self.schema)
         async with self.connection() as conn:
             version = None
-            if await conn.scalar(named("schema_table_exists")):
+            if await conn.scalar(named("schema_table_exists"), {"table": version_table}):
                 version = await conn.scalar(schema.CHECK_VERSION_SQL)
+                self.located = await conn.scalar(named("schema_of"), {"table": version_table})
         schema.check_version(version)
 
+    async def locate(self) -> str | None:
+        """The schema relay's tables are in: --schema, else where the
+        search_path finds them (None: not there yet). Names the channels
+        and advisory locks (relay.db.namespace)."""
+        if self.located is None:
+            async with self.connection() as conn:
+                self.located = await conn.scalar(
+                    named("schema_of"), {"table": "relay_schema_version"}
+                )
+        return self.located
+
+    async def channel(self, base: str) -> str:
+        """The notification channel `base` (NOTIFY_OUTBOX, NOTIFY_INBOX) of
+        relay's tables here."""
+        return namespace.channel(base, await self.locate())
+
+    def table(self, name: str) -> str:
+        """`name` (outbox, inbox) schema-qualified under --schema, for the
+        statements that run outside a transaction (VACUUM), where a
+        search_path set per transaction cannot reach."""
+        return namespace.qualified(name, self.schema)
+
     async def apply_schema(self) -> list[str]:
-        """Create or upgrade the tables; returns the names of the files applied."""
+        """Create or upgrade the tables (with --schema: the schema too);
+        returns the names of the files applied."""
         async with self.transaction() as conn:
-            return await conn.run_sync(schema.apply)
+            return await conn.run_sync(schema.apply, self.schema)
 
     # -- outbox --------------------------------------------------------------
 
     def outbox_session(self, on_dead: str, shares: int = 1) -> OutboxSession:
         """A connection of its own for one outbox worker of a relay whose
         workers split the keys in `shares` (see OutboxSession)."""
-        return OutboxSession(self.conninfo, self.session_options, on_dead, shares)
+        return OutboxSession(
+            self.conninfo,
+            self.session_options,
+            on_dead,
+            shares,
+            schema=self.schema,
+            located=self.located,
+        )
 
     # -- inbox -----------------------------------------------------------------
 
@@ -496,7 +575,7 @@ async def retry_in(
         params["consumer"] = consumer
         await _fetch_claim_checks(conn, params, fetch)
     result = await conn.execute(named(f"retry_{table}"), params)
-    await conn.execute(named("notify_wake"), {"channel": f"relay_{table}"})
+    await conn.execute(named("notify_wake"), {"channel": f"relay_{table}", "table": table})
     return result.rowcount
 
 

@@ -16,6 +16,7 @@ import orjson
 import psycopg
 
 from relay.db import connect as pg
+from relay.db import namespace
 from relay.db.errors import Refused, any_driver_error, unavailable
 from relay.db.sql import pyformat, query
 from relay.errors import DatabaseUnavailable
@@ -52,9 +53,16 @@ class InboxWriter:
     """Inserts received batches on one autocommit connection of psycopg's
     (one statement, one round trip), opened on first use and after a break."""
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, database_url: str, schema: str | None = None) -> None:
         self.conninfo = pg.libpq_url(database_url)
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        # Under --schema the one statement names its table in full: no
+        # search_path to set, behind a pooler or not.
+        self._insert = INSERT_INBOX
+        if schema is not None:
+            self._insert = INSERT_INBOX.replace(
+                "INSERT INTO inbox ", f"INSERT INTO {namespace.qualified('inbox', schema)} ", 1
+            )
 
     async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
         """Insert a batch; returns the ids that were new. Raises Refused for a
@@ -68,7 +76,7 @@ class InboxWriter:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = await pg.connect(self.conninfo)
-            cursor = await self._conn.execute(INSERT_INBOX, params)
+            cursor = await self._conn.execute(self._insert, params)
             return {row[0] for row in await cursor.fetchall()}
         except Exception as exc:
             # Any failure but a refused value is the server's or the

@@ -263,3 +263,37 @@ async def test_server_connections_ended_behind_pgbouncer_lose_nothing_and_count_
         seen |= {m.message_id for m in await rabbit.drain(queue, 1)}
     assert seen == expected
     assert daemon.proc.poll() is None
+
+
+async def test_schemas_through_pgbouncer_reach_their_own_tables(
+    empty_database, pgbouncer, run_relay, rabbit
+):
+    """Behind a pooler the search_path of the startup options does not reach
+    the server: relay sets it per transaction, so each --schema's commands
+    and daemons still work on that schema's tables only."""
+    url = pgbouncer.url(empty_database)
+    for schema in ("t1", "t2"):
+        applied = run_relay("schema", "apply", "--schema", schema, "--database-url", url)
+        assert applied.returncode == 0, applied.stderr
+    direct = sa.create_engine(empty_database)
+    try:
+        for schema, n in (("t1", 3), ("t2", 2)):
+            rows(
+                direct,
+                f"INSERT INTO {schema}.outbox (topic, payload) "
+                "SELECT 'x', '{}' FROM generate_series(1, :n)",
+                n=n,
+            )
+        queue = await rabbit.queue("#")
+        env = {"RELAY_DATABASE_URL": url}
+        done = run_relay(
+            "outbox", "--once", "--schema", "t1", "--exchange", rabbit.exchange, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        await rabbit.drain(queue, 3)
+        assert [r[0] for r in rows(direct, "SELECT status FROM t2.outbox")] == ["pending"] * 2
+        status = run_relay("status", "--json", "--schema", "t2", env=env)
+        assert status.returncode == 0, status.stderr
+        assert '"pending": 2' in status.stdout
+    finally:
+        direct.dispose()

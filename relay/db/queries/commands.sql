@@ -36,11 +36,29 @@ WHERE consumer = :consumer AND message_id = :message_id
 UPDATE inbox SET last_error = :error WHERE consumer = :consumer AND message_id = :message_id
 
 -- name: notify_wake
--- A wake-up for the daemons (relay_outbox, relay_inbox), as a producer's commit sends.
-SELECT pg_notify(:channel, '')
+-- A wake-up for the daemons (relay_outbox, relay_inbox), as a producer's commit
+-- sends: on the channel of the schema :table is in, named as the trigger
+-- names it (schema/006_schemas.sql, relay.db.namespace.channel).
+SELECT pg_notify(CASE WHEN s.name IS NULL OR s.name = 'public' THEN :channel
+                      WHEN octet_length(:channel || '.' || s.name) > 63
+                      THEN :channel || '.' || md5(s.name)
+                      ELSE :channel || '.' || s.name END, '')
+FROM (SELECT (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE c.oid = to_regclass(:table))) AS s(name)
 
 -- name: schema_table_exists
-SELECT to_regclass('relay_schema_version') IS NOT NULL
+-- :table is relay_schema_version, schema-qualified under --schema.
+SELECT to_regclass(:table) IS NOT NULL
+
+-- name: schema_of
+-- The schema a table (as the search_path finds it, or qualified) is in; NULL: none.
+SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(:table)
+
+-- name: schema_create
+-- `relay schema apply --schema NAME`: :schema is a quoted identifier, checked
+-- (relay.config.check_schema_name) and quoted (relay.db.namespace.quoted).
+CREATE SCHEMA IF NOT EXISTS {schema}
 
 -- name: schema_version
 SELECT max(version) FROM relay_schema_version
