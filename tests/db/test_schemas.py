@@ -75,7 +75,7 @@ def test_apply_creates_the_schema_and_nothing_in_public(tenants, run_relay, tena
         )
     finally:
         engine.dispose()
-    names = ["inbox", "outbox", "relay_discarded", "relay_schema_version"]
+    names = ["inbox", "outbox", "relay_audit", "relay_discarded", "relay_schema_version"]
     assert [tuple(r) for r in tables] == [("T2", n) for n in names] + [("t1", n) for n in names]
     again = run_relay("schema", "apply", "--schema", "t1", env=tenant_env)
     assert (again.returncode, again.stdout.strip()) == (0, "schema is up to date")
@@ -94,7 +94,13 @@ def test_schema_sql_makes_the_same_tables_in_the_schema(empty_database, run_rela
         found = conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = 't9' ORDER BY 1"
         ).fetchall()
-    assert [r[0] for r in found] == ["inbox", "outbox", "relay_discarded", "relay_schema_version"]
+    assert [r[0] for r in found] == [
+        "inbox",
+        "outbox",
+        "relay_audit",
+        "relay_discarded",
+        "relay_schema_version",
+    ]
     status = run_relay(
         "status", "--json", "--schema", "t9", env={"RELAY_DATABASE_URL": empty_database}
     )
