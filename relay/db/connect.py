@@ -199,10 +199,7 @@ _TLS_REFUSALS = (
     "private key file",
     "could not set SSL protocol",
     "invalid sslmode value",
-    "invalid value for parameter",
-    "SSL is not enabled on the server",
     "server does not support SSL, but SSL was required",
-    "weak sslmode",
 )
 
 
