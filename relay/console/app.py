@@ -64,6 +64,7 @@ from relay.dead import (
 from relay.errors import (
     ConfigError,
     DatabaseUnavailable,
+    RelayError,
     ReplayBusy,
     ReplayError,
     SchemaError,
@@ -372,7 +373,7 @@ class Console:
         if self.several:
             # relay status's report of each source: one that is down or has
             # no tables shows its error in its row, the page still answers.
-            report = await sources_status(self.sources)
+            report = await sources_status(self.sources, _source_error)
             sources = list(report["sources"].items())
         problem: str | None = None
         scopes: list[overview_module.Scope] = []
@@ -736,6 +737,16 @@ class Console:
             },
         )
         return SecurityHeaders(app)
+
+
+def _source_error(label: str, exc: RelayError) -> str:
+    """A source's error in the Sources table: what is missing in its tables,
+    or (as the one-source console's 503 page) that its database cannot be
+    reached, without libpq's words, which name the server; the log has them."""
+    if isinstance(exc, SchemaError):
+        return str(exc)
+    log.warning("console: source %s: %s", label, exc)
+    return "The console cannot reach this source's database right now."
 
 
 def _filter(values: dict[str, str | None]) -> DeadFilter:
