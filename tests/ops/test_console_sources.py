@@ -178,6 +178,7 @@ def test_source_picks_the_dead_list_and_the_row_a_retry_changes(
     assert "t1.topic" in first and "t2.topic" not in first
     second = console.get("/dead", params={"source": t2}).text
     assert "t2.topic" in second and "t1.topic" not in second and "m-t2" in second
+    assert f"source <strong>{t2}</strong>" in second  # the page says which
     # Links and forms on the page stay on that source.
     assert f"source={urllib.parse.quote(t2, safe='')}" in second
     assert f'name="source" value="{t2}"' in second
