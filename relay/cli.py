@@ -91,8 +91,8 @@ _SOURCES_OPTIONS = [
         "--sources",
         default=None,
         metavar="FILE",
-        help="a file of sources, one `URL [SCHEMA]` a line (# comments), read again "
-        "on SIGHUP and when it changes (instead of --database-url and --schema)",
+        help="a file of sources, one `URL [SCHEMA]` a line (# comments); relay outbox "
+        "reads it again on SIGHUP and when it changes (instead of --database-url and --schema)",
     ),
 ]
 
