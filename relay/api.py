@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relay.audit import Actor, record
@@ -11,7 +11,7 @@ from relay.claimcheck import fetch_from
 from relay.config import ClaimCheckURL, Source
 from relay.db import Store, retry_in
 from relay.db.store import STATUSES
-from relay.errors import SchemaError, Unavailable
+from relay.errors import RelayError, SchemaError, Unavailable
 
 
 async def apply_schema(database_url: str, schema: str | None = None) -> list[str]:
@@ -37,13 +37,17 @@ async def table_status(database_url: str, schema: str | None = None) -> dict[str
 _AGE = "oldest_pending_seconds"
 
 
-async def sources_status(sources: Mapping[str, Source]) -> dict[str, Any]:
+async def sources_status(
+    sources: Mapping[str, Source], describe: Callable[[str, RelayError], str] | None = None
+) -> dict[str, Any]:
     """`relay status --json` of several sources: each one's report under
     `sources` (by label), and the tables' counts of them all (the oldest
     pending age: the greatest). A source that cannot be read (its database
     away, its tables missing) is `{"error": "..."}` there, left out of the
-    counts."""
-    reports = await asyncio.gather(*(_status_or_error(s) for s in sources.values()))
+    counts; `describe(label, error)` words it (default: the error's text)."""
+    reports = await asyncio.gather(
+        *(_status_or_error(label, s, describe) for label, s in sources.items())
+    )
     total: dict[str, Any] = {
         table: {**dict.fromkeys(statuses, 0), _AGE: None} for table, statuses in STATUSES.items()
     }
@@ -61,11 +65,13 @@ async def sources_status(sources: Mapping[str, Source]) -> dict[str, Any]:
     return {**total, "sources": dict(zip(sources, reports, strict=True))}
 
 
-async def _status_or_error(source: Source) -> dict[str, Any]:
+async def _status_or_error(
+    label: str, source: Source, describe: Callable[[str, RelayError], str] | None
+) -> dict[str, Any]:
     try:
         return await table_status(source.database_url, schema=source.schema)
     except (Unavailable, SchemaError) as exc:
-        return {"error": str(exc)}
+        return {"error": describe(label, exc) if describe else str(exc)}
 
 
 async def dead_keys(

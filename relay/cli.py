@@ -71,7 +71,7 @@ def _schemas(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
     return []
 
 
-# `relay outbox` and `relay status` take several sources (relay.sources).
+# `relay outbox`, `relay status` and `relay console` take several sources (relay.sources).
 _SOURCES_OPTIONS = [
     option(
         "--database-url",
@@ -91,8 +91,8 @@ _SOURCES_OPTIONS = [
         "--sources",
         default=None,
         metavar="FILE",
-        help="a file of sources, one `URL [SCHEMA]` a line (# comments), read again "
-        "on SIGHUP and when it changes (instead of --database-url and --schema)",
+        help="a file of sources, one `URL [SCHEMA]` a line (# comments); relay outbox "
+        "reads it again on SIGHUP and when it changes (instead of --database-url and --schema)",
     ),
 ]
 
@@ -263,7 +263,7 @@ def _sources_common(f: F) -> F:
 
 
 def _sources(kwargs: dict[str, Any]) -> tuple[list[config.Source], str | None]:
-    """The sources of `relay outbox` or `relay status`: --sources FILE, else
+    """The sources of `relay outbox`, `status` or `console`: --sources FILE, else
     every --schema in every --database-url (popped from kwargs)."""
     urls, schemas, path = kwargs.pop("database_url"), kwargs.pop("schemas"), kwargs.pop("sources")
     if path:
@@ -1105,7 +1105,7 @@ def audit(as_json: bool, limit: int, before_id: int | None, **kwargs: Any) -> No
 
 
 @cli.command()
-@_common
+@_sources_common
 @option(
     "--host",
     default="127.0.0.1",
@@ -1143,10 +1143,13 @@ def console(claim_check: str | None, **kwargs: Any) -> None:
     _setup_logs(kwargs)
     from relay.console.app import ConsoleSettings, serve
 
+    sources, path = _sources(kwargs)
     settings = _build(
         ConsoleSettings,
-        database_url=_build(config.normalize_database_url, url=kwargs["database_url"]),
-        schema=kwargs["schema"],
+        database_url=sources[0].database_url,
+        schema=sources[0].schema,
+        # several (or a file of them): the overview lists each one
+        sources=tuple(sources) if len(sources) > 1 or path is not None else (),
         host=kwargs["host"],
         port=kwargs["port"],
         token=token,

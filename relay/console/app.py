@@ -44,9 +44,10 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from relay import audit, replay
+from relay.api import sources_status
 from relay.audit import Actor
 from relay.claimcheck import fetch_from
-from relay.config import ClaimCheckURL, parse_duration, redact_url
+from relay.config import ClaimCheckURL, Source, labelled, parse_duration, redact_url
 from relay.console import operators as operators_module
 from relay.console import overview as overview_module
 from relay.console.operators import Operator
@@ -63,9 +64,11 @@ from relay.dead import (
 from relay.errors import (
     ConfigError,
     DatabaseUnavailable,
+    RelayError,
     ReplayBusy,
     ReplayError,
     SchemaError,
+    Unavailable,
 )
 
 log = logging.getLogger("relay.console")
@@ -97,6 +100,10 @@ SECURITY_HEADERS = {
 class ConsoleSettings:
     database_url: str
     schema: str | None = None
+    # Several sources (--database-url and --schema repeated, or --sources):
+    # the overview lists them all and every other page works on the one its
+    # `source` query parameter names. Empty: the one above, as before.
+    sources: tuple[Source, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8089
     token: str | None = None  # RELAY_CONSOLE_TOKEN: one operator named `operator`
@@ -117,7 +124,7 @@ class ConsoleSettings:
         token = "set" if self.token else "unset"
         return (
             f"ConsoleSettings(database_url={redact_url(self.database_url)!r}, "
-            f"host={self.host!r}, port={self.port}, token={token}, "
+            f"sources={len(self.sources)}, host={self.host!r}, port={self.port}, token={token}, "
             f"operators={len(self.operators)})"
         )
 
@@ -253,19 +260,71 @@ _FILTER_FIELDS = (
 )
 
 
+class UnknownSource(Exception):
+    """A `source` query parameter that names none of the console's sources."""
+
+
+@dataclass
+class Place:
+    """One source the console works on: its label, store and dead messages."""
+
+    label: str
+    store: Store
+    dead: DeadMessages
+    schema_ok: bool = False  # its tables were there at this relay's version
+
+
 class Console:
     def __init__(self, settings: ConsoleSettings, store: Store | None = None) -> None:
         self.settings = settings
         self.guard = Guard(settings.operators)
-        self.store = store or Store(settings.database_url, pool_size=2, schema=settings.schema)
-        objects = None
+        self.several = bool(settings.sources)
+        self.sources = labelled(
+            settings.sources or (Source(settings.database_url, settings.schema),)
+        )
+        self._objects = None
         if settings.claim_check is not None:
             from relay.s3 import ObjectStore
 
-            objects = ObjectStore(settings.claim_check)
-        self.dead = DeadMessages(self.store, fetch_from(objects))
+            self._objects = ObjectStore(settings.claim_check)
+        # Each source's pool is opened when a page first asks for it: a
+        # console over a hundred tenants holds connections only to those
+        # someone looks at (the overview's counts take one of their own).
+        self._places: dict[str, Place] = {}
+        if store is not None:
+            self._place_of(next(iter(self.sources)), store)
         self.env = _environment()
-        self._schema_ok = False
+
+    def _place_of(self, label: str, store: Store | None = None) -> Place:
+        place = self._places.get(label)
+        if place is None:
+            source = self.sources[label]
+            store = store or Store(source.database_url, pool_size=2, schema=source.schema)
+            place = self._places[label] = Place(
+                label, store, DeadMessages(store, fetch_from(self._objects))
+            )
+        return place
+
+    @property
+    def store(self) -> Store:
+        """The first source's store (the only one, without several sources)."""
+        return self._place_of(next(iter(self.sources))).store
+
+    def place(self, request: Request) -> Place:
+        """The source a page works on: its `source` query parameter (a label
+        from the overview's Sources table), else the first; UnknownSource
+        (a 404) for any other."""
+        label = request.query_params.get("source") or next(iter(self.sources))
+        if label not in self.sources:
+            raise UnknownSource(label)
+        request.state.source = label
+        return self._place_of(label)
+
+    async def close(self) -> None:
+        for place in self._places.values():
+            await place.store.close()
+        if self._objects is not None:
+            await self._objects.close()
 
     # -- rendering ---------------------------------------------------------------
 
@@ -273,7 +332,17 @@ class Console:
         self, request: Request, name: str, status: int = 200, **context: Any
     ) -> HTMLResponse:
         who = self.guard.who(request)
+        label = getattr(request.state, "source", None) if self.several else None
+
+        def at(url: str) -> str:
+            """A link or form action on this page's source."""
+            if label is None:
+                return url
+            return url + ("&" if "?" in url else "?") + urllib.parse.urlencode({"source": label})
+
         context.update(
+            source=label,
+            at=at,
             request_path=request.url.path,
             here=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
             writable=self.guard.writable,
@@ -289,26 +358,45 @@ class Console:
 
     # -- pages -------------------------------------------------------------------
 
-    async def ensure_schema(self) -> None:
-        """SchemaError until the tables are there at this relay's version (then no more checks)."""
-        if not self._schema_ok:
-            await self.store.check_schema()
-            self._schema_ok = True
+    async def ensure_schema(self, request: Request) -> Place:
+        """The page's source; SchemaError until its tables are there at this
+        relay's version (then no more checks)."""
+        place = self.place(request)
+        if not place.schema_ok:
+            await place.store.check_schema()
+            place.schema_ok = True
+        return place
 
     async def index(self, request: Request) -> Response:
+        place = self.place(request)
+        sources = None
+        if self.several:
+            # relay status's report of each source: one that is down or has
+            # no tables shows its error in its row, the page still answers.
+            report = await sources_status(self.sources, _source_error)
+            sources = list(report["sources"].items())
+        problem: str | None = None
+        scopes: list[overview_module.Scope] = []
         try:
-            await self.ensure_schema()
+            await self.ensure_schema(request)
+            scopes = await overview_module.overview(place.store)
         except SchemaError as exc:  # the console is up: say what is missing
-            return self.render(
-                request, "overview.html", title="Overview", scopes=[], schema_problem=str(exc)
-            )
-        scopes = await overview_module.overview(self.store)
+            problem = str(exc)
+        except Unavailable:
+            if not self.several:
+                raise  # the 503 page, as ever
+            problem = f"The console cannot reach {place.label}'s database right now."
         return self.render(
-            request, "overview.html", title="Overview", scopes=scopes, schema_problem=None
+            request,
+            "overview.html",
+            title="Overview",
+            scopes=scopes,
+            schema_problem=problem,
+            sources=sources,
         )
 
     async def dead_list(self, request: Request) -> Response:
-        await self.ensure_schema()
+        place = await self.ensure_schema(request)
         values = {f: (request.query_params.get(f) or None) for f in _FILTER_FIELDS}
         after = request.query_params.get("after") or None
         try:
@@ -316,7 +404,7 @@ class Console:
             parse_cursor(after)
         except DeadError as exc:
             return self.problem(request, 400, "Bad filter", str(exc))
-        page = await self.dead.page(where, limit=PAGE_SIZE, after=after)
+        page = await place.dead.page(where, limit=PAGE_SIZE, after=after)
         if after is None and page.next_cursor is None:
             # Every match is on this page: count and group them here.
             counts = {t: sum(r.table == t for r in page.rows) for t in where.tables()}
@@ -327,8 +415,8 @@ class Console:
             # GROUP_NEWEST of each table (`relay dead groups` takes them all),
             # both at once, on connections of their own.
             groups, counts = await asyncio.gather(
-                self.dead.groups(where, limit=20, newest=GROUP_NEWEST),
-                self.dead.count(where, cap=COUNT_CAP + 1),
+                place.dead.groups(where, limit=20, newest=GROUP_NEWEST),
+                place.dead.count(where, cap=COUNT_CAP + 1),
             )
         shown = {k: v for k, v in values.items() if v is not None}
         next_url = None
@@ -353,10 +441,10 @@ class Console:
         )
 
     async def message(self, request: Request) -> Response:
-        await self.ensure_schema()
+        place = await self.ensure_schema(request)
         q = request.query_params
         try:
-            row = await self.dead.get(
+            row = await place.dead.get(
                 q.get("id", ""), table=q.get("table") or None, consumer=q.get("consumer") or None
             )
         except NotFound as exc:
@@ -375,8 +463,8 @@ class Console:
         )
 
     async def keys(self, request: Request) -> Response:
-        await self.ensure_schema()
-        held = await self.store.dead_keys(200)
+        place = await self.ensure_schema(request)
+        held = await place.store.dead_keys(200)
         return self.render(
             request,
             "keys.html",
@@ -433,7 +521,7 @@ class Console:
     # -- actions -------------------------------------------------------------------
 
     async def action(self, request: Request) -> Response:
-        await self.ensure_schema()
+        place = await self.ensure_schema(request)
         form = await request.form()
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
         what = fields.get("action", "")
@@ -441,17 +529,17 @@ class Console:
         if why is not None:
             log.warning("console: refused an action: %s", why)
             if op is not None:  # a person it knows: the trail says who tried what
-                await audit.refused(self.store, Actor(op.name, "console"), what or "?", why)
+                await audit.refused(place.store, Actor(op.name, "console"), what or "?", why)
             return self.problem(request, 403, "Not allowed", why)
         assert op is not None
         by = Actor(op.name, "console")
         try:
             if what in ("retry", "discard", "edit") and fields.get("id"):
-                return await self._one(request, what, fields, by)
+                return await self._one(request, place, what, fields, by)
             if what in ("retry-all", "discard-all"):
-                return await self._many(request, what, fields, by)
+                return await self._many(request, place, what, fields, by)
             if what == "replay":
-                return await self._replay(request, fields, by)
+                return await self._replay(request, place, fields, by)
         except NotFound as exc:
             return self.problem(
                 request,
@@ -465,10 +553,12 @@ class Console:
             return self.problem(request, 409, "Not done", str(exc))
         return self.problem(request, 400, "Unknown action", f"Unknown action {what!r}.")
 
-    async def _one(self, request: Request, what: str, f: dict[str, str], by: Actor) -> Response:
+    async def _one(
+        self, request: Request, place: Place, what: str, f: dict[str, str], by: Actor
+    ) -> Response:
         table, row_id = f.get("table") or None, f["id"]
         consumer = f.get("consumer") or None
-        row = await self.dead.get(row_id, table=table, consumer=consumer)
+        row = await place.dead.get(row_id, table=table, consumer=consumer)
         if f.get("confirm") != "yes":
             return self.render(
                 request,
@@ -483,10 +573,12 @@ class Console:
         s = row.summary
         name = f"{s.table} row {s.id}" + (f" of consumer {s.consumer}" if s.consumer else "")
         if what == "retry":
-            await self.dead.retry(DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id], by=by)
+            await place.dead.retry(
+                DeadFilter(table=s.table, consumer=s.consumer), ids=[s.id], by=by
+            )
             done = f"Retried {name}: it is pending again, with attempts reset."
         elif what == "discard":
-            await self.dead.discard(
+            await place.dead.discard(
                 DeadFilter(table=s.table, consumer=s.consumer),
                 ids=[s.id],
                 reason=f.get("reason") or "discarded in the console",
@@ -498,7 +590,7 @@ class Console:
             headers = f.get("headers")
             if s.table == "inbox" and row.payload_text is None and not payload:
                 payload = None  # a non-JSON body left as it was
-            await self.dead.edit(
+            await place.dead.edit(
                 s.id,
                 table=s.table,
                 consumer=s.consumer,
@@ -516,10 +608,12 @@ class Console:
             back_url="/dead?" + urllib.parse.urlencode({"table": s.table}),
         )
 
-    async def _many(self, request: Request, what: str, f: dict[str, str], by: Actor) -> Response:
+    async def _many(
+        self, request: Request, place: Place, what: str, f: dict[str, str], by: Actor
+    ) -> Response:
         values = {k: (f.get(k) or None) for k in _FILTER_FIELDS}
         where = _filter(values)
-        counts = await self.dead.count(where)  # exact: the person confirms this number
+        counts = await place.dead.count(where)  # exact: the person confirms this number
         if f.get("confirm") != "yes":
             return self.render(
                 request,
@@ -532,10 +626,10 @@ class Console:
                 filters={k: v for k, v in values.items() if v is not None},
             )
         if what == "retry-all":
-            done_counts = await self.dead.retry(where, by=by)
+            done_counts = await place.dead.retry(where, by=by)
             verb = "Retried"
         else:
-            done_counts = await self.dead.discard(
+            done_counts = await place.dead.discard(
                 where, reason=f.get("reason") or "discarded in the console", by=by
             )
             verb = "Discarded"
@@ -546,9 +640,11 @@ class Console:
         log.info("console: %s", done)
         return self.render(request, "done.html", title="Done", text=done, back_url="/dead")
 
-    async def _replay(self, request: Request, f: dict[str, str], by: Actor) -> Response:
+    async def _replay(
+        self, request: Request, place: Place, f: dict[str, str], by: Actor
+    ) -> Response:
         where = _replay_filter(f)
-        count = await replay.count(self.store, where)  # the person confirms this number
+        count = await replay.count(place.store, where)  # the person confirms this number
         shown = {k: v for k, v in where.describe().items() if k != "table"}
         if f.get("confirm") != "yes":
             return self.render(
@@ -562,7 +658,7 @@ class Console:
                 filters=shown,
                 table=where.table,
             )
-        moved = await replay.replay(self.store, where, by=by)
+        moved = await replay.replay(place.store, where, by=by)
         again = "published" if where.table == "outbox" else "handled"
         done = (
             f"Replayed {moved} {where.table} row{'s' if moved != 1 else ''}: pending again, "
@@ -572,16 +668,16 @@ class Console:
         return self.render(request, "done.html", title="Done", text=done, back_url="/replay")
 
     async def replay_page(self, request: Request) -> Response:
-        await self.ensure_schema()
+        await self.ensure_schema(request)
         return self.render(request, "replay.html", title="Replay")
 
     async def audit_page(self, request: Request) -> Response:
-        await self.ensure_schema()
+        place = await self.ensure_schema(request)
         before = request.query_params.get("before") or None
         if before is not None and not before.isdigit():
             return self.problem(request, 400, "Bad cursor", f"invalid cursor {before!r}")
         entries = await audit.entries(
-            self.store, limit=PAGE_SIZE, before_id=int(before) if before else None
+            place.store, limit=PAGE_SIZE, before_id=int(before) if before else None
         )
         next_url = f"/audit?before={entries[-1].id}" if len(entries) == PAGE_SIZE else None
         return self.render(
@@ -601,10 +697,15 @@ class Console:
             try:
                 yield
             finally:
-                await self.store.close()
+                await self.close()
 
         async def not_ready(request: Request, exc: Exception) -> Response:
             return self.problem(request, 503, "Schema not ready", str(exc))
+
+        async def unknown(request: Request, exc: Exception) -> Response:
+            return self.problem(
+                request, 404, "No such source", f"The console has no source {str(exc)!r}."
+            )
 
         async def unavailable(request: Request, exc: Exception) -> Response:
             return self.problem(
@@ -629,9 +730,23 @@ class Console:
                 Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
             ],
             lifespan=lifespan,
-            exception_handlers={DatabaseUnavailable: unavailable, SchemaError: not_ready},
+            exception_handlers={
+                DatabaseUnavailable: unavailable,
+                SchemaError: not_ready,
+                UnknownSource: unknown,
+            },
         )
         return SecurityHeaders(app)
+
+
+def _source_error(label: str, exc: RelayError) -> str:
+    """A source's error in the Sources table: what is missing in its tables,
+    or (as the one-source console's 503 page) that its database cannot be
+    reached, without libpq's words, which name the server; the log has them."""
+    if isinstance(exc, SchemaError):
+        return str(exc)
+    log.warning("console: source %s: %s", label, exc)
+    return "The console cannot reach this source's database right now."
 
 
 def _filter(values: dict[str, str | None]) -> DeadFilter:

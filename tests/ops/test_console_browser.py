@@ -269,3 +269,25 @@ async def test_a_viewer_reads_an_operator_replays_and_the_audit_page_says_who(
     assert await viewer.locator("ol.audit li").count() == 1
     width = await viewer.evaluate("document.scrollingElement.scrollWidth")
     assert width <= 390
+
+
+async def test_the_sources_table_fits_a_390_px_phone(engine, browser, start_relay, database):
+    """Several sources: a long database name and one whose database is away
+    (its row says so) beside the counts of the others."""
+    dead_outbox(engine, 3)
+    away = database.rsplit("/", 1)[0] + "/a-tenant-database-with-a-long-name-" + "d" * 30
+    url = serve_console(
+        start_relay, "--database-url", database, "--database-url", away, "--schema", "public"
+    )
+    page = await browser.new_page(viewport={"width": 390, "height": 844})
+    await page.goto(url + "/")
+    assert await page.locator("table.sources tbody tr").count() == 2
+    await page.get_by_text("cannot reach this source's database").wait_for()
+    width = await page.evaluate("document.scrollingElement.scrollWidth")
+    assert width <= 390, width
+    await page.locator("table.sources a").first.click()
+    await page.get_by_text("orders.placed").first.wait_for()
+    assert "source=" in page.url
+    width = await page.evaluate("document.scrollingElement.scrollWidth")
+    assert width <= 390, width
+    await shot(page, "phone-sources")
