@@ -619,30 +619,12 @@ async def test_rabbitmq_both_daemons_wire_format_and_order(
     rabbit: Rabbit,
     s3: S3,
     sqs: Sqs,  # noqa: F811 - for its environment
-    start_relay: Callable[..., RelayProcess],
+    inbox: Callable[..., RelayProcess],
     run_relay: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
     tap = await rabbit.queue("big.#")  # sees what relay publishes, beside the inbox's queue
-    queue = f"{rabbit.exchange}.in"
-    rabbit.queues.append(queue)
     env = env_for(sqs)
-    inbox = start_relay(
-        "inbox",
-        "--queue",
-        queue,
-        "--exchange",
-        rabbit.exchange,
-        "--bind",
-        "big.#",
-        "--handlers",
-        HANDLERS,
-        "--poll-interval",
-        "0.5",
-        "--claim-check",
-        s3.url("rmq"),
-        env=env,
-    )
-    inbox.wait_for_log("inbox started", timeout=30)
+    inbox("--claim-check", s3.url("rmq"), bind="big.#", env=env)
     ids = insert(effects, "big.one", SIZES)
     done = run_relay(
         "outbox",
