@@ -32,9 +32,11 @@ aiormq's own did, and add no lookup to the per-message paths.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.metadata
 import logging
+import struct
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -42,6 +44,8 @@ from typing import Any, cast
 
 import aiormq
 import aiormq.abc
+import aiormq.connection
+import aiormq.exceptions
 from aio_pika.abc import AbstractConnection
 from aiormq.abc import ChannelFrame, DeliveredMessage
 from aiormq.channel import Returning
@@ -50,6 +54,7 @@ from pamqp import decode as pamqp_decode
 from pamqp import frame as pamqp_frame
 from pamqp.base import Frame
 from pamqp.body import ContentBody
+from pamqp.exceptions import PAMQPException
 from pamqp.header import ContentHeader
 
 log = logging.getLogger(__name__)
@@ -60,12 +65,15 @@ __all__ = [
     "Returning",
     "aiormq_channel",
     "check_versions",
+    "decode_header",
+    "decode_method",
     "deliver_directly",
     "lock",
     "max_content_size",
     "message_tags",
     "next_delivery_tag",
     "pamqp_decoders_replaced",
+    "read_frames_with",
     "register_publishes",
     "settle_confirms_with",
     "watch_blocking",
@@ -231,6 +239,79 @@ def deliver_directly(
         deliver(DeliveredMessage(delivery=frame, header=header, body=body, channel=underlay))
 
     underlay._on_deliver_frame = on_deliver_frame  # type: ignore[method-assign]
+
+
+# Called with each frame of the connection (its type, channel and payload,
+# the frame end left off) before pamqp decodes it; True when it took the
+# frame, which then never reaches aiormq.
+Intercept = Callable[[int, int, bytes], bool]
+_FRAME_HEAD = struct.Struct(">BHI").unpack
+
+
+def read_frames_with(connection: AbstractConnection, intercept: Intercept) -> bool:
+    """Read the connection's frames with relay's reader, which offers each
+    frame to `intercept` first; the frames it does not take are decoded by
+    pamqp and go to aiormq as before. False (and nothing changed) where
+    aiormq's reader is not found.
+
+    aiormq's FrameReceiver reads a frame in three awaits into a BytesIO
+    under a lock and decodes every frame with pamqp; for the inbox's
+    deliveries that was most of the receiver's CPU. Its reader task iterates
+    one FrameReceiver (`async for`, which calls `self.get_frame()`), found
+    here in the suspended task's frame; the instance's get_frame is
+    replaced, so the frame read now is the last one read the old way."""
+    underlay = getattr(getattr(connection, "transport", None), "connection", None)
+    task = getattr(underlay, "_reader_task", None)
+    frame = task.get_coro().cr_frame if task is not None and not task.done() else None
+    receiver = frame.f_locals.get("frame_receiver") if frame is not None else None
+    if not isinstance(receiver, aiormq.connection.FrameReceiver):
+        log.debug("aiormq's frame reader not found: deliveries are decoded by pamqp")
+        return False
+    reader = receiver.reader
+    readexactly = reader.readexactly
+    head_of = _FRAME_HEAD
+    invalid = aiormq.exceptions.InvalidFrameError
+
+    async def get_frame() -> tuple[int, int, Any]:
+        while True:
+            if reader.at_eof():
+                raise StopAsyncIteration
+            try:
+                head = await readexactly(7)
+                frame_type, channel, size = head_of(head)
+                rest = await readexactly(size + 1)
+            except asyncio.IncompleteReadError as exc:
+                raise aiormq.exceptions.AMQPConnectionError(
+                    "Server connection unexpectedly closed. Read "
+                    f"{len(exc.partial)} bytes but {exc.expected} bytes expected"
+                ) from exc
+            except OSError as exc:  # ConnectionError's kinds included
+                raise aiormq.exceptions.AMQPConnectionError(
+                    f"Server communication error: {exc!r}"
+                ) from exc
+            if rest[-1] != 0xCE:
+                raise invalid(f"frame of type {frame_type} does not end with 0xCE")
+            if intercept(frame_type, channel, rest[:-1]):
+                continue
+            try:
+                return pamqp_frame.unmarshal(head + rest)
+            except PAMQPException as exc:
+                raise invalid(str(exc)) from exc
+
+    receiver.get_frame = get_frame  # type: ignore[method-assign]
+    return True
+
+
+def decode_method(payload: bytes) -> Frame:
+    """A method frame's payload decoded by pamqp (and relay's lenient
+    fallback, where amqp_lenient is installed)."""
+    return pamqp_frame._unmarshal_method_frame(payload)
+
+
+def decode_header(payload: bytes) -> ContentHeader:
+    """A content header frame's payload decoded by pamqp (and relay's
+    lenient fallbacks, where amqp_lenient is installed)."""
+    return pamqp_frame._unmarshal_header_frame(payload)
 
 
 # --- connection -------------------------------------------------------------

@@ -19,7 +19,7 @@ import logging
 import re
 import ssl
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import aiormq
@@ -27,6 +27,8 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
+from pamqp.decode import field_table as _field_table
+from pamqp.header import ContentHeader
 
 from relay.brokers import (
     Incoming,
@@ -34,6 +36,7 @@ from relay.brokers import (
     PublishResult,
     aiormq_internals,
     amqp_lenient,
+    amqp_wire,
     check_topic,
     encode_failure,
     row_body,
@@ -527,17 +530,141 @@ class AmqpPublisher(_Client):
         )
 
 
-def _original(message: DeliveredMessage) -> dict[str, Any]:
+def _original(
+    exchange: str, routing_key: str | None, content_header: bytes | None
+) -> dict[str, Any]:
     """A delivery's properties exactly as they came: the content header
     frame's bytes (AMQP 0-9-1, class 60) and the routing key."""
-    raw = getattr(message.header, "relay_raw", None)
-    delivery = message.delivery
-    assert isinstance(delivery, _DELIVER)
-    return {
-        "exchange": delivery.exchange,
-        "routing_key": delivery.routing_key,
-        "content_header": raw if raw is not None else None,
-    }
+    return {"exchange": exchange, "routing_key": routing_key, "content_header": content_header}
+
+
+def _incoming(
+    channel: aiormq.abc.AbstractChannel,
+    tag: int,
+    exchange: str,
+    routing_key: str | None,
+    message_id: str | None,
+    type_: str | None,
+    headers: dict[str, Any],
+    body: bytes,
+    raw_header: bytes | None,
+    undecodable: str | None = None,
+) -> Incoming:
+    """A delivery as the inbox sees it: values as decoded (relay.storable
+    makes them storable, or the row dead), nothing here can fail."""
+    key = headers.get(KEY_HEADER)
+    if isinstance(key, (bytes, bytearray)):
+        key = bytes(key).decode("utf-8", "surrogateescape")
+    return Incoming(
+        message_id=message_id or None,
+        topic=routing_key,
+        key=key if key is None or isinstance(key, str) else str(key),
+        type=type_ or routing_key or None,  # the contract's fallback
+        body=body,
+        headers=headers,
+        ack_token=(channel, tag),
+        original=functools.partial(_original, exchange, routing_key, raw_header),
+        undecodable=undecodable,
+    )
+
+
+_HeaderFields = tuple[str | None, str | None, dict[str, Any], bytes | None, str | None]
+
+
+def _header_fields(header: ContentHeader) -> _HeaderFields:
+    """What the inbox reads of a content header decoded by pamqp: message
+    id, type, headers, the frame's bytes and why it did not decode, if so
+    (the last two set by amqp_lenient)."""
+    properties = header.properties
+    return (
+        properties.message_id,
+        properties.message_type,
+        properties.headers or {},
+        getattr(header, "relay_raw", None),
+        getattr(header, "relay_undecodable", None),
+    )
+
+
+def _from_pamqp(message: DeliveredMessage) -> Incoming:
+    """A delivery that came the way of aiormq (pamqp's decoding)."""
+    # Consumed, never fetched (basic.get): always a Deliver. Narrowed by
+    # annotation, not isinstance, which would cost every delivery a call.
+    delivery: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+    assert delivery.delivery_tag is not None  # RabbitMQ tags every delivery
+    message_id, type_, headers, raw, undecodable = _header_fields(message.header)
+    return _incoming(
+        message.channel,
+        delivery.delivery_tag,
+        delivery.exchange,
+        delivery.routing_key,
+        message_id,
+        type_,
+        headers,
+        message.body,
+        raw,
+        undecodable,
+    )
+
+
+class _Deliveries:
+    """The deliveries of the consumer's channel, taken from the connection's
+    frame reader (aiormq_internals.read_frames_with) and decoded by
+    amqp_wire; a frame it cannot decode is decoded by pamqp, leniently
+    (amqp_lenient), with the same outcome. Each delivery goes to `deliver`
+    as an Incoming, in order; the channel's other frames go on to aiormq."""
+
+    def __init__(self, channel: aiormq.abc.AbstractChannel, deliver: Any) -> None:
+        self.channel = channel
+        self.number = channel.number
+        self.deliver = deliver
+        # The delivery being put together: its method's fields, then its
+        # header's, then the body's parts.
+        self.method: tuple[int, str, str | None] | None = None
+        self.header: _HeaderFields | None = None
+        self.parts: list[bytes] = []
+        self.left = 0
+
+    def __call__(self, frame_type: int, channel: int, payload: bytes) -> bool:
+        if channel != self.number:
+            return False
+        if frame_type == 3 and self.header is not None:
+            self.parts.append(payload)
+            self.left -= len(payload)
+            if self.left <= 0:
+                self._done()
+            return True
+        if frame_type == 1 and payload[:4] == amqp_wire.BASIC_DELIVER:
+            if self.method is not None:
+                raise aiormq.exceptions.InvalidFrameError("a delivery inside another's content")
+            try:
+                self.method = amqp_wire.decode_deliver(payload)
+            except Exception:  # leave it to pamqp, leniently
+                deliver = aiormq_internals.decode_method(payload)
+                assert isinstance(deliver, _DELIVER) and deliver.delivery_tag is not None
+                self.method = (deliver.delivery_tag, deliver.exchange, deliver.routing_key)
+            return True
+        if frame_type == 2 and self.method is not None and self.header is None:
+            undecodable = None
+            try:
+                size, message_id, type_, headers = amqp_wire.decode_header(payload, _field_table)
+            except Exception:  # leave it to pamqp, leniently
+                header = aiormq_internals.decode_header(payload)
+                size = header.body_size or 0
+                message_id, type_, headers, _, undecodable = _header_fields(header)
+            self.header = (message_id, type_, headers, payload, undecodable)
+            self.left = size
+            if size <= 0:
+                self._done()
+            return True
+        return False
+
+    def _done(self) -> None:
+        method, header, parts = self.method, self.header, self.parts
+        assert method is not None and header is not None
+        self.method = self.header = None
+        self.parts = []
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.deliver(_incoming(self.channel, *method, *header[:3], body, *header[3:]))
 
 
 class AmqpConsumer(_Client):
@@ -569,7 +696,8 @@ class AmqpConsumer(_Client):
             self.arguments.setdefault("x-queue-type", "classic")
         self._connection: AbstractConnection | None = None
         self._channel: AbstractChannel | None = None
-        self._received: asyncio.Queue[DeliveredMessage | BaseException] = asyncio.Queue()
+        self._received: asyncio.Queue[Incoming | BaseException] = asyncio.Queue()
+        self.frames_read_by_relay = False  # see connect()
         amqp_lenient.install()  # no delivery can drop the connection
 
     async def connect(self) -> None:
@@ -604,17 +732,24 @@ class AmqpConsumer(_Client):
             received = self._received
 
             async def on_message(message: DeliveredMessage) -> None:
-                received.put_nowait(message)
+                received.put_nowait(_from_pamqp(message))
 
             # Consumed on aiormq's channel: aio-pika would wrap each delivery
             # in an IncomingMessage and a task of its own, a share of the
-            # receiver's CPU worth saving, for fields read once here.
-            # Deliveries skip aiormq's task per delivery too
-            # (aiormq_internals.deliver_directly, set before consuming so that
-            # all take one path, in order); on_message is aiormq's own path,
-            # kept as the callback basic_consume wants.
+            # receiver's CPU worth saving, for fields read once here. The
+            # deliveries are taken from the connection's frames and decoded
+            # by relay (_Deliveries, set before consuming so that all take
+            # one path, in order); where aiormq's reader is not found, they
+            # are handed over from the channel's reader, without aiormq's
+            # task per delivery (deliver_directly). on_message is aiormq's
+            # own path, kept as the callback basic_consume wants.
             underlay = await channel.get_underlay_channel()
-            aiormq_internals.deliver_directly(underlay, received.put_nowait)
+            aiormq_internals.deliver_directly(
+                underlay, lambda message: received.put_nowait(_from_pamqp(message))
+            )
+            self.frames_read_by_relay = aiormq_internals.read_frames_with(
+                connection, _Deliveries(underlay, received.put_nowait)
+            )
             await underlay.basic_consume(queue.name, on_message)
             # Bound to this connection's queue: the old channel of a lost
             # connection may report its close late, when a new connection
@@ -648,7 +783,7 @@ class AmqpConsumer(_Client):
 
     def _on_close(
         self,
-        received: asyncio.Queue[DeliveredMessage | BaseException],
+        received: asyncio.Queue[Incoming | BaseException],
         _channel: object,
         exc: BaseException | None = None,
     ) -> None:
@@ -660,7 +795,7 @@ class AmqpConsumer(_Client):
             received = self._received
             first = await received.get()
             batch: list[Incoming] = []
-            item: DeliveredMessage | BaseException = first
+            item: Incoming | BaseException = first
             loop = asyncio.get_running_loop()
             deadline = loop.time() + max_wait
             while True:
@@ -669,7 +804,7 @@ class AmqpConsumer(_Client):
                         break  # store what we have; the error shows next time
                     await self.close()
                     raise BrokerUnavailable(str(item))
-                batch.append(self._incoming(item))
+                batch.append(item)
                 if len(batch) >= max_size:
                     break
                 try:
@@ -684,44 +819,14 @@ class AmqpConsumer(_Client):
                         break
             yield batch
 
-    def _incoming(self, message: DeliveredMessage) -> Incoming:
-        """A delivery as the inbox sees it: values as decoded (relay.storable
-        makes them storable, or the row dead), nothing here can fail."""
-        header = message.header
-        properties = header.properties
-        headers = properties.headers or {}
-        key = headers.get(KEY_HEADER)
-        if isinstance(key, (bytes, bytearray)):
-            key = bytes(key).decode("utf-8", "surrogateescape")
-        # Consumed, never fetched (basic.get): always a Deliver. Narrowed by
-        # annotation, not isinstance, which would cost every delivery a call.
-        delivery: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
-        routing_key = delivery.routing_key
-        return Incoming(
-            message_id=properties.message_id or None,
-            topic=routing_key,
-            key=key if key is None or isinstance(key, str) else str(key),
-            type=properties.message_type or routing_key or None,  # the contract's fallback
-            body=message.body,
-            headers=headers,
-            ack_token=message,
-            original=lambda: _original(message),
-            undecodable=getattr(header, "relay_undecodable", None),
-        )
-
     async def ack(self, batch: Sequence[Incoming]) -> None:
         if not batch:
             return
-        last = batch[-1].ack_token
-        assert isinstance(last, DeliveredMessage)
-        delivery = last.delivery
-        assert isinstance(delivery, _DELIVER)
-        tag = delivery.delivery_tag
-        assert tag is not None  # RabbitMQ tags every delivery
+        channel, tag = cast(tuple[aiormq.abc.AbstractChannel, int], batch[-1].ack_token)
         try:
             # Deliveries arrive and are stored in order, so one multiple-ack
             # on the last delivery tag acknowledges the whole batch.
-            await last.channel.basic_ack(tag, multiple=True)
+            await channel.basic_ack(tag, multiple=True)
         except Exception as exc:
             # aiormq rejects pending operations with a bare Exception when a
             # channel closes without a reason: judge by the channel's state.

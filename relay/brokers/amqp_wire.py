@@ -12,8 +12,9 @@ confirms; this is only the encoder.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
+from typing import Any
 
 FRAME_METHOD = 1
 FRAME_HEADER = 2
@@ -103,3 +104,85 @@ def publish_frames(
         chunk = body[start : start + max_content_size]
         out += [_frame_head(FRAME_BODY, channel, len(chunk)), chunk, FRAME_END]
     return b"".join(out)
+
+
+# --- decoding deliveries ----------------------------------------------------
+#
+# The inbox's receiver reads deliveries the same way: aiormq's frame reader
+# and pamqp's generic decoders cost over half of the receiver's CPU per
+# message (docs/performance.md). A delivery's Basic.Deliver method and its
+# content header are decoded here with struct, for the fields relay reads;
+# anything unusual raises, and the frame is decoded by pamqp instead (with
+# relay's lenient fallbacks, amqp_lenient), so both ways give the same values.
+
+BASIC_DELIVER = struct.pack(">HH", BASIC_CLASS, 60)
+_u64_at = struct.Struct(">Q").unpack_from
+_header_at = struct.Struct(">HHQH").unpack_from
+
+
+class Unusual(ValueError):
+    """A frame the fast decoders leave to pamqp."""
+
+
+def _shortstr_at(data: bytes, at: int) -> tuple[str, int]:
+    end = at + 1 + data[at]
+    if end > len(data):
+        raise Unusual("short string past the frame's end")
+    return data[at + 1 : end].decode("utf-8"), end
+
+
+def decode_deliver(payload: bytes) -> tuple[int, str, str]:
+    """A Basic.Deliver method frame's payload -> (delivery tag, exchange,
+    routing key). The payload starts with class and method ids (60, 60)."""
+    at = 5 + payload[4]  # past the consumer tag
+    (tag,) = _u64_at(payload, at)
+    exchange, at = _shortstr_at(payload, at + 9)  # past the tag and the redelivered bit
+    routing_key, at = _shortstr_at(payload, at)
+    if at != len(payload):
+        raise Unusual("Basic.Deliver longer than its fields")
+    return tag, exchange, routing_key
+
+
+# Property flags of the Basic class, in the order of their values.
+_SKIPPED_SHORTSTRS = (1 << 15, 1 << 14)  # content type, content encoding
+_OCTETS = (1 << 12, 1 << 11)  # delivery mode, priority
+_SKIPPED_AFTER_OCTETS = (1 << 10, 1 << 9, 1 << 8)  # correlation id, reply to, expiration
+_SKIPPED_LAST = (1 << 4, 1 << 3, 1 << 2)  # user id, app id, cluster id
+
+
+def decode_header(
+    payload: bytes, field_table: Callable[[bytes], tuple[int, dict[str, Any]]]
+) -> tuple[int, str | None, str | None, dict[str, Any]]:
+    """A content header frame's payload -> (body size, message id, type,
+    headers), as pamqp would decode them. `field_table` is pamqp's decoder
+    of the headers table (its values come out exactly as pamqp's)."""
+    class_id, _weight, body_size, flags = _header_at(payload, 0)
+    if class_id != BASIC_CLASS or flags & 1:
+        raise Unusual("not the Basic class, or more property flags than one word")
+    at = 14
+    for flag in _SKIPPED_SHORTSTRS:
+        if flags & flag:
+            at += 1 + payload[at]
+    headers: dict[str, Any] = {}
+    if flags & FLAG_HEADERS:
+        used, headers = field_table(payload[at:])
+        at += used
+    for flag in _OCTETS:
+        if flags & flag:
+            at += 1
+    for flag in _SKIPPED_AFTER_OCTETS:
+        if flags & flag:
+            at += 1 + payload[at]
+    message_id = type_ = None
+    if flags & FLAG_MESSAGE_ID:
+        message_id, at = _shortstr_at(payload, at)
+    if flags & FLAG_TIMESTAMP:
+        at += 8
+    if flags & FLAG_TYPE:
+        type_, at = _shortstr_at(payload, at)
+    for flag in _SKIPPED_LAST:
+        if flags & flag:
+            at += 1 + payload[at]
+    if at != len(payload):
+        raise Unusual("content header longer or shorter than its properties")
+    return body_size, message_id, type_, headers

@@ -10,6 +10,7 @@ temporary directory and stopped at the end.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -524,3 +525,37 @@ async def test_the_alternate_exchange_recipe_keeps_unroutable_messages(
     finally:
         own_node.ctl("clear_policy", "relay-ae-test")
         await connection.close()
+
+
+async def test_the_receiver_reads_deliveries_from_the_connections_frames(rabbit):
+    """relay's own frame reader takes the consumer's deliveries (not aiormq's
+    reader and pamqp): messages of no body, of one body frame and of many
+    (past RabbitMQ's frame_max of 128 KiB) arrive whole and in order, and the
+    connection's other traffic (the acks' channel, heartbeats) goes on."""
+    from relay.brokers import make_consumer
+
+    queue = f"{rabbit.exchange}.frames"
+    consumer = make_consumer(
+        BrokerURL.parse(AMQP_URL), queue=queue, exchange=rabbit.exchange, binds=["f.#"], prefetch=50
+    )
+    try:
+        await consumer.connect()
+        rabbit.queues.append(queue)
+        assert consumer.frames_read_by_relay  # type: ignore[attr-defined]
+        bodies = [b"", b'{"n": 1}', os.urandom(300_000), b"x" * 131_064, b'{"n": 4}']
+        for n, body in enumerate(bodies * 20):
+            await rabbit.publish(f"f.{n % 3}", body, message_id=f"m-{n}", type="T")
+        got = []
+        batches = consumer.batches(100, 0.2)
+        async with asyncio.timeout(30):
+            while len(got) < len(bodies) * 20:
+                batch = await anext(batches)
+                await consumer.ack(batch)
+                got += batch
+        await batches.aclose()
+    finally:
+        await consumer.close()
+    assert [m.message_id for m in got] == [f"m-{n}" for n in range(len(bodies) * 20)]
+    assert [m.body for m in got] == bodies * 20
+    assert {m.type for m in got} == {"T"}
+    assert [m.topic for m in got] == [f"f.{n % 3}" for n in range(len(bodies) * 20)]
