@@ -288,9 +288,11 @@ async def main(args: argparse.Namespace) -> None:
         used = {"rabbitmq": servers[0].used(), "postgresql": servers[1].used()}
         backends = servers[2].used()
         table = "outbox" if args.daemon == "outbox" else "inbox"
-        rate = steady_rate(await batch_times(url, table))
+        batches = await batch_times(url, table)
+        rate = steady_rate(batches)
         print(
             f"{args.daemon}: {count:,} messages, {rate or 0:,.0f} msgs/s (steady), "
+            f"{count / max(len(batches), 1):,.0f} a batch on average, "
             f"load average {load} -> {loadavg()}"
         )
         print("CPU per message, µs (from the daemon's 'started' line to the end):")
