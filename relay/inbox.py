@@ -230,6 +230,11 @@ class Dispatcher:
             at += 1
             batch = self.batch_handlers.get(rows[unit[0]].type)
             if batch is not None:
+                fast = not careful and index not in split
+                if fast:
+                    # Before the members: going back to a checkpoint taken
+                    # after their failures would record them again.
+                    move_checkpoint(index)
                 # The unit's messages, but those held by a failure of their key.
                 members: list[tuple[InboxRow, Message]] = []
                 for position in unit:
@@ -243,7 +248,7 @@ class Dispatcher:
                         members.append((row, message))
                 if not members:
                     continue
-                if careful or index in split:
+                if not fast:
                     done, failures = self._run_in_parts(
                         conn, async_conn, savepoints, pid, batch, members, failed_keys,
                         split.get(index),
@@ -251,7 +256,6 @@ class Dispatcher:
                     processed.extend(done)
                     failed.extend(failures)
                     continue
-                move_checkpoint(index)
                 started = time.time_ns()
                 links: dict[str, list[Any]] = {}
                 failure = self._run_batch(conn, async_conn, pid, batch, members, links)

@@ -6,6 +6,8 @@ database (the tests create it), inside the inbox transaction.
 `registry` holds sync handlers only, so its dispatcher runs on psycopg's
 blocking connection; `mixed_registry` adds the async ones, which puts the
 dispatcher on the async engine (relay.inbox.Dispatcher.dispatch_batch).
+`batch_registry` has batch handlers for the types the fault suite
+(tests/e2e/test_faults.py) sends, with the effects of `registry`'s.
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ def logs(message: relay.Message, conn: sa.Connection) -> None:
 # that fail on their own lose their effects).
 _INSERT_MANY = sa.text(
     "INSERT INTO effects (message_id, type, key, n, traceparent) "
-    "SELECT m, t, k, n, tp FROM json_to_recordset(CAST(:rows AS json)) "
-    "AS r(m text, t text, k text, n int, tp text)"
+    "SELECT m, t, k, n, tp FROM ROWS FROM (json_to_recordset(CAST(:rows AS json)) "
+    "AS (m text, t text, k text, n int, tp text)) WITH ORDINALITY AS r(m, t, k, n, tp, i) "
+    "ORDER BY i"
 )
 
 
@@ -140,6 +143,25 @@ def batch_hang(messages: list[relay.Message], conn: sa.Connection) -> None:
     conn.execute(_INSERT_MANY, _effects(messages))
     if any(m.payload.get("hang") for m in messages):
         time.sleep(3600)
+
+
+# The fault suite's handlers as batch handlers: the effects of `effect` and
+# `slow`, in the messages' order (effects.id), each call's in one statement.
+# max_size below the suite's --batch-size, so that a claimed batch takes
+# several calls.
+batch_registry = relay.HandlerRegistry()
+
+
+@batch_registry.batch_handler("Effect", max_size=20)
+def effect_batch(messages: list[relay.Message], conn: sa.Connection) -> None:
+    conn.execute(_INSERT_MANY, _effects(messages))
+
+
+@batch_registry.batch_handler("Slow", max_size=20)
+def slow_batch(messages: list[relay.Message], conn: sa.Connection) -> None:
+    """As long as `slow` would take for the messages one by one."""
+    time.sleep(sum(message.payload.get("seconds", 1) for message in messages))
+    conn.execute(_INSERT_MANY, _effects(messages))
 
 
 mixed_registry = relay.HandlerRegistry()

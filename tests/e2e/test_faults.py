@@ -7,12 +7,20 @@ random pace while one fault strikes at a random moment; what died is
 restarted; then every message must have been handled exactly once, in
 per-key order, with at most one batch per fault duplicated on the wire.
 
+Batch handlers are covered too. Each run of as many rounds as there are
+faults plays every fault once, in a random order, with one set of handlers:
+the first with one-message handlers (tests.apps.handlers:registry), the next
+with batch handlers of the same effects (tests.apps.handlers:batch_registry),
+and so on; each round prints its set. A round on batch handlers also checks,
+from the inbox's /metrics, that they took several messages a call.
+
     .venv/bin/pytest tests/e2e/test_faults.py -n 0 -s          # short run (CI)
-    RELAY_FAULT_ROUNDS=100 RELAY_FAULT_REFUSE_SECONDS=30 \\
+    RELAY_FAULT_ROUNDS=100 RELAY_FAULT_REFUSE_SECONDS=30 RELAY_FAULT_MESSAGES=600 \\
         .venv/bin/pytest tests/e2e/test_faults.py -n 0 -s -k rounds  # the long one
 
-RELAY_FAULT_SEED replays a run (the seed is printed); RELAY_FAULT_MESSAGES
-sets N per round.
+The short run plays each fault once with each kind of handler, on 300
+messages a round. RELAY_FAULT_SEED replays a run (the seed is printed);
+RELAY_FAULT_MESSAGES sets N per round.
 """
 
 from __future__ import annotations
@@ -180,11 +188,22 @@ FAULTS = (
     "race_outbox",  # a second outbox relay; every message of the round on one key
     "slow_handler",  # handlers slower than the poll, with a second inbox racing
 )
-ROUNDS = int(os.environ.get("RELAY_FAULT_ROUNDS") or len(FAULTS))
+# The inbox's handlers (tests/apps/handlers.py): one message a call, or
+# batch handlers with the same effects; in turn, len(FAULTS) rounds each.
+HANDLERS = ("registry", "batch_registry")
+ROUNDS = int(os.environ.get("RELAY_FAULT_ROUNDS") or len(FAULTS) * len(HANDLERS))
 REFUSE_SECONDS = float(os.environ.get("RELAY_FAULT_REFUSE_SECONDS") or 3)
-MESSAGES = int(os.environ.get("RELAY_FAULT_MESSAGES") or 600)
+MESSAGES = int(os.environ.get("RELAY_FAULT_MESSAGES") or 300)
 KEYS = 8
-SLOW_EVERY, SLOW_SECONDS = 40, 1.0
+# What the suite reads from an inbox's /metrics: the received messages it
+# dropped as duplicates, the rows it handled, and its handler calls.
+COUNTED = {
+    "redelivered": "relay_inbox_duplicates_total",
+    "handled": "relay_inbox_processed_total",
+    "calls": "relay_inbox_handler_seconds_count",
+}
+# Prime, so that the slow messages fall on every key in turn.
+SLOW_EVERY, SLOW_SECONDS = 41, 1.0
 
 
 @dataclass
@@ -232,14 +251,16 @@ class Suite:
             dbapi_connection.commit()
 
         self.tap = tap  # a queue that gets a copy of everything published
+        self.tapped: asyncio.Queue[Any] = asyncio.Queue()  # its messages, as they come
         self.tap_seen: dict[int, set[str]] = {}  # message ids per round
         self.tap_copies: dict[int, int] = {}  # copies beyond the first, per round
         self.round = 0
-        self.round_redeliveries = 0
+        self.counted = dict.fromkeys(COUNTED, 0)  # by this round's inboxes, from /metrics
         self.inboxes_in_round = 1
         self.rabbit = rabbit
         self.start_relay = start_relay
         self.rng = rng
+        self.handlers = HANDLERS[0]
         self.pg = Proxy(PG_PORT, PG_HOST)
         self.amqp_out = Proxy(AMQP_PORT, AMQP_HOST)
         self.amqp_in = Proxy(AMQP_PORT, AMQP_HOST)
@@ -251,7 +272,7 @@ class Suite:
         self.outbox = self.start_outbox()
         self.inbox = self.start_inbox()
         self.extra: list[RelayProcess] = []
-        self.metrics_seen: dict[int, float] = {}
+        self.metrics_seen: dict[tuple[int, str], float] = {}
         self.totals = Totals()
 
     def close(self) -> None:
@@ -292,7 +313,7 @@ class Suite:
             "--bind",
             "fault.#",
             "--handlers",
-            "tests.apps.handlers:registry",
+            f"tests.apps.handlers:{self.handlers}",
             "--batch-size",
             str(BATCH),
             "--prefetch",
@@ -309,8 +330,8 @@ class Suite:
         )
         return proc
 
-    def scrape_redeliveries(self, proc: RelayProcess) -> None:
-        """Add what this inbox counted as duplicates since the last look."""
+    def scrape(self, proc: RelayProcess) -> None:
+        """Add what this inbox counted (COUNTED) since the last look."""
         port = proc.args[proc.args.index("--http-port") + 1]
         try:
             with socket.create_connection(("127.0.0.1", int(port)), timeout=2) as sock:
@@ -320,12 +341,13 @@ class Suite:
                     text += chunk
         except OSError:
             return
-        match = re.search(rb"^relay_inbox_duplicates_total ([0-9.e+]+)$", text, re.MULTILINE)
-        if match:
-            value = float(match[1])
-            seen = self.metrics_seen.get(id(proc), 0.0)
-            self.metrics_seen[id(proc)] = value
-            self.round_redeliveries += int(value - seen)
+        for name, metric in COUNTED.items():
+            match = re.search(rf"^{metric} ([0-9.e+]+)$".encode(), text, re.MULTILINE)
+            if match:
+                value = float(match[1])
+                seen = self.metrics_seen.get((id(proc), name), 0.0)
+                self.metrics_seen[id(proc), name] = value
+                self.counted[name] += int(value - seen)
 
     def ensure_alive(self) -> None:
         for name in ("outbox", "inbox"):
@@ -394,7 +416,7 @@ class Suite:
             await asyncio.sleep(rng.uniform(0, 1))
             self.outbox = self.start_outbox()
         elif fault == "kill_inbox":
-            self.scrape_redeliveries(self.inbox)
+            self.scrape(self.inbox)
             self.inbox.signal(signal.SIGKILL)
             self.inbox.wait()
             await asyncio.sleep(rng.uniform(0, 1))
@@ -438,9 +460,18 @@ class Suite:
             rows(self.engine, f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
         # race_outbox and slow_handler act through the round's set-up.
 
+    def use_handlers(self, handlers: str) -> None:
+        """Restart the inbox with these handlers (between rounds: nothing in flight)."""
+        if handlers != self.handlers:
+            self.handlers = handlers
+            self.inbox.stop()
+            self.inbox = self.start_inbox()
+            self.inbox.wait_for_log("inbox started", timeout=60)
+
     async def play(self, round_: int, fault: str) -> None:
         self.round = round_
-        self.round_redeliveries = 0
+        started = time.monotonic()
+        self.counted = dict.fromkeys(COUNTED, 0)
         rng = self.rng
         keys = 1 if fault == "race_outbox" else KEYS
         if fault == "race_outbox":
@@ -471,13 +502,13 @@ class Suite:
         await asyncio.sleep(0.3)  # a late second effect would land by now
         for proc in self.extra:
             if proc.args[0] == "inbox":
-                self.scrape_redeliveries(proc)
+                self.scrape(proc)
             proc.stop()
         self.extra.clear()
-        self.scrape_redeliveries(self.inbox)
-        await self.check(round_, fault, keys)
+        self.scrape(self.inbox)
+        await self.check(round_, fault, keys, time.monotonic() - started)
 
-    async def check(self, round_: int, fault: str, keys: int) -> None:
+    async def check(self, round_: int, fault: str, keys: int, seconds: float) -> None:
         t = self.totals
         p = f"r{round_}-%"
         effects = rows(
@@ -512,24 +543,31 @@ class Suite:
         t.duplicate_effects += duplicates
         t.order_violations += violations
         t.wire_duplicates += wire
-        t.redeliveries += self.round_redeliveries
+        redelivered, handled, calls = (self.counted[k] for k in ("redelivered", "handled", "calls"))
+        t.redeliveries += redelivered
         verdict = (
-            f"round {round_:3d} {fault:18s} lost {lost} duplicate effects {duplicates} "
-            f"order violations {violations} wire duplicates {wire} "
-            f"redelivered {self.round_redeliveries}"
+            f"round {round_:3d} {fault:18s} {self.handlers:14s} lost {lost} duplicate effects "
+            f"{duplicates} order violations {violations} wire duplicates {wire} redelivered "
+            f"{redelivered}; {handled} rows handled in {calls} calls, {seconds:.1f} s"
         )
         print(verdict, flush=True)
         # The inbox gets again what the outbox published twice, plus at most
         # its unacknowledged window: stored, and the ack lost with the link.
         redelivery_bound = wire + PREFETCH * self.inboxes_in_round
+        # Batch handlers take several messages a call (else they did not run).
+        batched = self.handlers != "batch_registry" or calls < handled
         if (
             lost
             or duplicates
             or violations
             or wire > bound
-            or self.round_redeliveries > redelivery_bound
+            or redelivered > redelivery_bound
+            or not batched
         ):
-            t.problems.append(verdict + f" (bounds: wire {bound}, redelivered {redelivery_bound})")
+            t.problems.append(
+                verdict + f" (bounds: wire {bound}, redelivered {redelivery_bound}; "
+                "batch handlers: fewer calls than rows)"
+            )
         *stuck, out_attempts, in_attempts = rows(
             self.engine,
             "SELECT (SELECT count(*) FROM outbox WHERE key LIKE :p "
@@ -547,12 +585,19 @@ class Suite:
                 f"round {round_}: attempts counted (outbox, inbox): {out_attempts, in_attempts}"
             )
 
+    async def consume_tap(self) -> None:
+        async def tapped(message: Any) -> None:
+            self.tapped.put_nowait(message)
+
+        await self.tap.consume(tapped, no_ack=True)
+
     async def drain_tap(self, round_: int) -> int:
         """Copies of this round's messages published more than once."""
         deadline = time.monotonic() + 30
         while True:
-            message = await self.tap.get(no_ack=True, fail=False)
-            if message is None:
+            try:
+                message = self.tapped.get_nowait()
+            except asyncio.QueueEmpty:
                 if len(self.tap_seen.get(round_, set())) >= MESSAGES or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
@@ -586,12 +631,14 @@ async def test_fault_rounds_lose_nothing_and_duplicate_no_effect(
     rows(engine, EFFECTS_DDL)
     suite = Suite(database, engine, rabbit, start_relay, rng, await rabbit.queue("fault.#"))
     try:
+        await suite.consume_tap()
         suite.outbox.wait_for_log("outbox relay started", timeout=60)
         suite.inbox.wait_for_log("inbox started", timeout=60)
         order = list(FAULTS)
         for round_ in range(ROUNDS):
             if round_ % len(order) == 0:
                 rng.shuffle(order)
+                suite.use_handlers(HANDLERS[round_ // len(order) % len(HANDLERS)])
             await suite.play(round_, order[round_ % len(order)])
     finally:
         suite.close()

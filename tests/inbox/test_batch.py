@@ -355,21 +355,47 @@ def test_generated_batches_exactly_the_failing_ones_and_their_keys_later_ones_wa
         assert call == sorted(call) and len(call) <= max_size
 
 
-async def test_a_row_no_batch_handler_can_be_given_is_dead_and_the_rest_run(effects, database):
-    store(effects, [Planned("r1"), Planned("r3")])
+def store_too_deep(engine: sa.Engine) -> None:
+    """A pending "Reading" row without a key, 'deep', whose payload is nested
+    deeper than relay gives a handler."""
     rows(
-        effects,
+        engine,
         "INSERT INTO inbox (consumer, message_id, type, payload) "
         "VALUES (:c, 'deep', 'Reading', CAST(:p AS jsonb))",
         c=QUEUE,
         p="[" * 1100 + "1" + "]" * 1100,
     )
+
+
+async def test_a_row_no_batch_handler_can_be_given_is_dead_and_the_rest_run(effects, database):
+    store(effects, [Planned("r1"), Planned("r3")])
+    store_too_deep(effects)
     calls: list[list[str]] = []
     await dispatch_once(database, readings(calls))
     after = state(effects)
     assert after["deep"][:2] == ("dead", 1) and "nested 1100 levels" in after["deep"][2]
     assert calls == [["r1", "r3"]]
     assert sorted(effect_ids(effects)) == ["r1", "r3"]
+
+
+async def test_such_a_row_fails_once_when_its_units_call_fails_past_a_checkpoint(
+    effects, database, monkeypatch, caplog
+):
+    # The batch's savepoint moves on before every unit here (as it does every
+    # CHECKPOINT_EVERY seconds); the call fails, the batch goes back to it and
+    # runs the unit again, carefully: the row without a key that cannot be
+    # given to the handler is recorded failed once, not once a run.
+    monkeypatch.setattr("relay.inbox.CHECKPOINT_EVERY", -1.0)
+    store_too_deep(effects)
+    store(effects, [Planned("r1", "a", fail=True)])
+    calls: list[list[str]] = []
+    metrics = await dispatch_once(database, readings(calls))
+    assert calls == [["r1"], ["r1"]]
+    assert metrics.registry.get_sample_value("relay_inbox_failed_total") == 2
+    assert metrics.registry.get_sample_value("relay_inbox_dead_total") == 1
+    assert sum("failed (dead)" in r.getMessage() for r in caplog.records) == 1
+    after = state(effects)
+    assert after["deep"][:2] == ("dead", 1) and after["r1"][:2] == ("pending", 1)
 
 
 # --------------------------------------------------------------------------
