@@ -8,7 +8,9 @@ by `Resources.close()`, which the runner calls in a `finally`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -64,13 +66,27 @@ def db_url(name: str) -> str:
     return f"{PG_URL}/{name}"
 
 
+@functools.cache
+def _bench_only_path() -> str:
+    """A directory holding only `bench` (a link to this checkout's): put on
+    the daemons' PYTHONPATH, it makes bench.handlers importable without
+    putting this checkout's `relay` ahead of the one BENCH_RELAY runs (the
+    checkout itself on the path made an older relay import today's)."""
+    where = Path(tempfile.mkdtemp(prefix="relay-bench-path-"))
+    (where / "bench").symlink_to(REPO / "bench", target_is_directory=True)
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    return str(where)
+
+
 def relay_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env.update(
         {
             "PYTHONUNBUFFERED": "1",
             # bench.handlers must be importable by `relay inbox`.
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [_bench_only_path(), env.get("PYTHONPATH")])
+            ),
             "RELAY_LOG_LEVEL": "INFO",
         }
     )
