@@ -10,9 +10,13 @@ paths it does not go through their public API:
   lock, registers the batch in the channel's confirmation table, writes the
   batch to the connection's write queue as one buffer, and replaces the
   channel's confirm handler to settle a multiple-ack a range at a time.
-- Consuming: aiormq makes a task of every delivery to call the consumer's
-  callback; relay replaces the channel's deliver handler to hand each
-  delivery over from the frame reader, in order.
+- Consuming: relay replaces the get_frame of the connection's FrameReceiver
+  (found in aiormq's reader task) with a reader of its own that offers each
+  frame to the consumer before pamqp decodes it, so that deliveries are
+  decoded by relay (amqp_wire) and never reach aiormq; where that reader is
+  not found, the channel's deliver handler is replaced instead, to hand each
+  delivery over from the channel's reader, in order (aiormq makes a task of
+  every delivery to call the consumer's callback).
 - Blocking: aiormq handles connection.blocked/unblocked (it holds back new
   writes while blocked) but tells nobody; relay wraps both handlers to
   learn of a resource alarm.
