@@ -5,7 +5,6 @@ it is started with `-u postgres` (or nobody), which reads the files."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import shutil
@@ -15,17 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import psycopg
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _reachable(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-        return True
-    return False
 
 
 class PgBouncer:
@@ -39,20 +34,46 @@ class PgBouncer:
         pg_user: str = "postgres",
     ) -> None:
         self.pool_mode = pool_mode
-        self.pg_host, self.pg_port = pg_host, pg_port
+        self.pg_host, self.pg_port, self.pg_user = pg_host, pg_port, pg_user
         self.port = _free_port()
         self.dir = Path(tempfile.mkdtemp(prefix=f"relay-pgbouncer-{pool_mode}-"))
         self.dir.chmod(0o755)
+        self._start()
+
+    def _start(self) -> None:
+        """Start pgbouncer and wait until it answers on its admin console:
+        a port found free can be taken by another process before pgbouncer
+        binds it, and then something else would answer a mere connect. On
+        such a race (pgbouncer exits at once), try again on a new port."""
+        for _ in range(3):
+            self._write_config()
+            command = [shutil.which("pgbouncer") or "pgbouncer", str(self.dir / "pgbouncer.ini")]
+            if os.geteuid() == 0:
+                command[1:1] = ["-u", _unprivileged_user()]
+            self.log = open(self.dir / "pgbouncer.log", "ab")  # noqa: SIM115 - closed in stop()
+            self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 15
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                if self._answers():
+                    return
+                time.sleep(0.05)
+            self._terminate()
+            self.port = _free_port()
+        log = self.read_log()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        raise AssertionError(f"pgbouncer did not start: {log}")
+
+    def _write_config(self) -> None:
         auth = self.dir / "users.txt"
-        auth.write_text(f'"{pg_user}" ""\n')
+        auth.write_text(f'"{self.pg_user}" ""\n')
         ini = self.dir / "pgbouncer.ini"
         # Every database name goes to the test server (each test makes its
         # own). In session mode the client's `options` are refused, as by
         # default; in transaction mode ignored, as many set it up: relay
         # must find the pooler either way.
-        ignored = "options" if pool_mode == "transaction" else ""
+        ignored = "options" if self.pool_mode == "transaction" else ""
         ini.write_text(f"""[databases]
-* = host={pg_host} port={pg_port}
+* = host={self.pg_host} port={self.pg_port}
 
 [pgbouncer]
 listen_addr = 127.0.0.1
@@ -60,8 +81,8 @@ listen_port = {self.port}
 unix_socket_dir =
 auth_type = trust
 auth_file = {auth}
-admin_users = {pg_user}
-pool_mode = {pool_mode}
+admin_users = {self.pg_user}
+pool_mode = {self.pool_mode}
 ignore_startup_parameters = {ignored}
 max_client_conn = 1000
 default_pool_size = 60
@@ -70,17 +91,32 @@ pidfile =
 """)
         for path in (auth, ini):
             path.chmod(0o644)
-        command = [shutil.which("pgbouncer") or "pgbouncer", str(ini)]
-        if os.geteuid() == 0:
-            command[1:1] = ["-u", _unprivileged_user()]
-        self.log = open(self.dir / "pgbouncer.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while not _reachable(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"pgbouncer did not start: {self.read_log()}")
-            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        """Whether this pgbouncer, and not another server on its port, answers."""
+        try:
+            with psycopg.connect(
+                host="127.0.0.1",
+                port=self.port,
+                user=self.pg_user,
+                dbname="pgbouncer",
+                autocommit=True,
+                connect_timeout=2,
+            ) as conn:
+                return conn.execute("SHOW VERSION").fetchone() is not None
+        except psycopg.Error:
+            return False
+
+    def ensure_running(self) -> str | None:
+        """Start pgbouncer again on its port if it has exited; return its
+        log up to then, or None when it was running. The tests are about
+        relay behind a pooler, not about the pooler's own life."""
+        if self.proc.poll() is None:
+            return None
+        log = self.read_log()
+        self._terminate()
+        self._start()
+        return log
 
     def url(self, direct_url: str) -> str:
         """`direct_url` (a test database's) through this PgBouncer."""
@@ -89,7 +125,7 @@ pidfile =
     def read_log(self) -> str:
         return (self.dir / "pgbouncer.log").read_text(errors="replace")
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -98,6 +134,9 @@ pidfile =
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+    def stop(self) -> None:
+        self._terminate()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

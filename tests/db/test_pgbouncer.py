@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,7 +84,11 @@ def broker(rabbit: Rabbit) -> AmqpBroker:
 
 @pytest.fixture
 def pooled(database: str, pgbouncer: PgBouncer) -> str:
-    """The test database's URL through PgBouncer."""
+    """The test database's URL through PgBouncer (started again, with a
+    warning that carries its log, if it has exited since the last test)."""
+    log = pgbouncer.ensure_running()
+    if log is not None:
+        warnings.warn(f"pgbouncer had exited; started again. Its log: {log}", stacklevel=1)
     return pgbouncer.url(database)
 
 
