@@ -226,6 +226,7 @@ async def main(args: argparse.Namespace) -> None:
                 "--rate",
                 "250",
                 "--nonblocking",
+                *os.environ.get("BENCH_PY_SPY_ARGS", "").split(),
                 "-o",
                 str(out),
                 "--",

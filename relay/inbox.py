@@ -112,6 +112,8 @@ class Dispatcher:
         # the watchdog in DispatcherThread, from another thread (one tuple,
         # set atomically).
         self.in_hand: tuple[tuple[InboxRow, ...], float, int | None] | None = None
+        # The batch's handler runs' seconds, for relay_inbox_handler_seconds.
+        self.handler_times: list[float] = []
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -128,12 +130,16 @@ class Dispatcher:
         less CPU than through asyncio (docs/inbox.md), and this thread
         lets go of the GIL while it waits. Otherwise it runs inside run_sync
         on the async engine, where async handlers are awaited."""
-        if self.store.sync_engine is not None:
-            with self.store.sync_transaction() as conn:
-                outcome = self._batch(conn, None)
-        else:
-            async with self.store.transaction() as async_conn:
-                outcome = await async_conn.run_sync(self._batch, async_conn)
+        try:
+            if self.store.sync_engine is not None:
+                with self.store.sync_transaction() as conn:
+                    outcome = self._batch(conn, None)
+            else:
+                async with self.store.transaction() as async_conn:
+                    outcome = await async_conn.run_sync(self._batch, async_conn)
+        finally:
+            self.metrics.handler_seconds.observe_all(self.handler_times)
+            self.handler_times.clear()
         return self._report(*outcome)
 
     def _batch(
@@ -141,8 +147,10 @@ class Dispatcher:
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]], dict[str, str], int]:
         s = self.settings
         consumer = s.consumer_name
+        # The claim's planner settings are turned off by the savepoints'
+        # first round trip (Store.claim_inbox), before any handler runs.
         rows, blocked = self.store.claim_inbox(
-            conn, consumer, s.batch_size, s.on_dead, self.worker, self.workers
+            conn, consumer, s.batch_size, s.on_dead, self.worker, self.workers, unplan=False
         )
         if not rows:
             return [], [], {}, blocked
@@ -196,7 +204,7 @@ class Dispatcher:
         The rows of a type with a batch handler go to it in units (see
         relay.batches.plan), run in the order of their first rows; a unit
         that fails runs again carefully, in parts (_run_in_parts)."""
-        savepoints = self.store.handler_savepoints(conn)
+        savepoints = self.store.handler_savepoints(conn, after_claim=True)
         pid = self.store.backend_pid(conn)
         careful = any(row.attempts for row in rows)
         processed: list[str] = []
@@ -464,7 +472,10 @@ class Dispatcher:
             else:
                 failure = self._call(handler, message, conn, async_conn, asynchronous)
         finally:
-            self.metrics.handler_seconds.observe(time.perf_counter() - started)
+            # Into the histogram at the batch's end (dispatch_batch); the
+            # progress clock now.
+            self.handler_times.append(time.perf_counter() - started)
+            self.metrics.handler_seconds.last_observed = time.monotonic()
         if failure is not None:
             return failure
         if log.isEnabledFor(logging.DEBUG):

@@ -49,6 +49,8 @@ _NUL_ESCAPE_TEXT = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 # orjson reads integers over 64 bits as floats; such payloads go through the
 # json module, which keeps them exact.
 _LONG_DIGITS = re.compile(r"[0-9]{19,}")
+# Texts shorter than this are searched for such integers before orjson reads them.
+_SEARCH_FIRST = 48
 
 
 # --------------------------------------------------------------------------
@@ -61,15 +63,40 @@ def loads(text: str | bytes) -> Any:
 
     NotCarried (a ValueError) for anything else: not JSON, nested deeper
     than MAX_JSON_DEPTH, a NUL character PostgreSQL's jsonb cannot hold."""
-    if isinstance(text, str) and not _LONG_DIGITS.search(text):
-        try:
-            value = orjson.loads(text)
-        except orjson.JSONDecodeError as exc:
-            raise NotCarried(_json_problem(text, exc)) from None
-        _check_depth(text)
-        return value
+    if isinstance(text, str):
+        # A short text is searched for long numbers first; in a longer one
+        # (a message's headers, say) that search costs three times orjson's
+        # reading, so it is searched only when orjson read a float (which
+        # it does for an integer past 64 bits) or failed.
+        short = len(text) < _SEARCH_FIRST
+        if not (short and _LONG_DIGITS.search(text)):
+            try:
+                value = orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                if short or not _LONG_DIGITS.search(text):
+                    raise NotCarried(_json_problem(text, exc)) from None
+            else:
+                if short or not (_has_float(value) and _LONG_DIGITS.search(text)):
+                    _check_depth(text)
+                    return value
     raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
     return _loads_exact(raw)
+
+
+def _has_float(value: Any) -> bool:
+    """Whether a value orjson read holds a float anywhere."""
+    kind = type(value)
+    if kind is dict:
+        items = value.values()
+    elif kind is list:
+        items = value
+    else:
+        return kind is float
+    for item in items:
+        kind = type(item)
+        if kind is float or ((kind is dict or kind is list) and _has_float(item)):
+            return True
+    return False
 
 
 def _loads_exact(raw: bytes) -> Any:

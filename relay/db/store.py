@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -81,8 +81,8 @@ class Savepoint:
     libpq (PQexec, which lets go of the GIL while it waits): through a
     psycopg cursor each would cost more client CPU (docs/inbox.md)."""
 
-    def __init__(self, pgconn: Any, name: str) -> None:
-        self._pgconn = pgconn
+    def __init__(self, exec_: Callable[[str], None], name: str) -> None:
+        self._exec = exec_
         self._set = query(f"savepoint_{name}_set")
         self._move = query(f"savepoint_{name}_move")
         self._undo = query(f"savepoint_{name}_undo")
@@ -112,9 +112,6 @@ class Savepoint:
         """The savepoint was ended by another (set before it) being released."""
         self._open = False
 
-    def _exec(self, command: str) -> None:
-        _exec(self._pgconn, command)
-
 
 def _exec(pgconn: Any, command: str) -> None:
     """One simple-protocol query straight through libpq (several commands
@@ -130,16 +127,21 @@ def _exec(pgconn: Any, command: str) -> None:
 
 class HandlerSavepoints:
     """The savepoints of one batch's transaction (see Dispatcher._run_handlers):
-    `batch` for many handlers at once, `handler` around one handler run.
+    `batch` for many handlers at once, `handler` around one handler run,
+    set through libpq (`pgconn`, see _pgconn)."""
 
-    They are set on the connection of a sync Connection: psycopg's own on
-    the sync engine; on the async engine (inside run_sync) that of the
-    dispatcher's event loop, which is idle while a handler's batch runs."""
+    def __init__(self, pgconn: Any, *, after_claim: bool = False) -> None:
+        self._pgconn = pgconn
+        self.batch = Savepoint(self._exec, "batch")
+        self.handler = Savepoint(self._exec, "handler")
+        # after_claim: the claim's planner settings are still on
+        # (Store.claim_inbox with unplan=False); the first command sent here
+        # turns them off on its way, before any handler runs.
+        self._prefix = UNPLAN_CLAIM + "; " if after_claim else ""
 
-    def __init__(self, driver_connection: Any) -> None:
-        self._pgconn = driver_connection.pgconn
-        self.batch = Savepoint(self._pgconn, "batch")
-        self.handler = Savepoint(self._pgconn, "handler")
+    def _exec(self, command: str) -> None:
+        prefix, self._prefix = self._prefix, ""
+        _exec(self._pgconn, prefix + command)
 
     def before_marks(self) -> None:
         """Ready the transaction for the batch's marks, in one round trip.
@@ -160,11 +162,20 @@ class HandlerSavepoints:
         if self.handler.open:
             commands.append(self.handler.release_command())
         commands.append(PLAN_MARKS)
-        _exec(self._pgconn, "; ".join(commands))
+        self._exec("; ".join(commands))
 
     def aborted(self) -> bool:
         """Did a statement fail in the transaction (no round trip)?"""
         return bool(self._pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR)
+
+
+def _pgconn(conn: sa.Connection) -> Any:
+    """libpq's connection under a sync Connection of either engine: psycopg's
+    own on the sync engine; inside run_sync on the async engine, that of the
+    dispatcher's event loop, which is idle while the batch runs."""
+    driver = conn.connection.driver_connection
+    assert driver is not None, "a Connection in a transaction has its driver connection"
+    return driver.pgconn
 
 
 def _url_options(conninfo: str) -> list[str]:
@@ -418,23 +429,28 @@ class Store:
         on_dead: str,
         worker: int = 0,
         workers: int = 1,
+        *,
+        unplan: bool = True,
     ) -> tuple[list[InboxRow], int]:
         """Lock due rows of a consumer, of this worker's share of the keys;
         returns the dispatchable ones and how many wait on rows of their key
-        held by another dispatcher."""
+        held by another dispatcher. With unplan=False the claim's planner
+        settings stay on, for handler_savepoints(after_claim=True) to turn
+        off in its first round trip."""
         params = {"consumer": consumer, "limit": limit, "worker": worker, "workers": workers}
+        pgconn = _pgconn(conn)
         with translate_errors():
-            conn.exec_driver_sql(PLAN_CLAIM)
-            result = conn.execute(self._claim_inbox[on_dead], params)
-            # Handlers share this transaction: give them the default planner.
-            conn.exec_driver_sql(UNPLAN_CLAIM)
-            rows, blocked = [], 0
-            for *fields, is_blocked in result:
-                if is_blocked:
-                    blocked += 1
-                else:
-                    rows.append(InboxRow(*fields))
-            return rows, blocked
+            # The planner settings go straight through libpq, with the BEGIN
+            # psycopg would send on its own (one round trip for both):
+            # psycopg sees the transaction open and sends none.
+            idle = pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            _exec(pgconn, f"BEGIN; {PLAN_CLAIM}" if idle else PLAN_CLAIM)
+            found = conn.execute(self._claim_inbox[on_dead], params).all()
+            if unplan:
+                # Handlers share this transaction: give them the default planner.
+                _exec(pgconn, UNPLAN_CLAIM)
+        rows = [InboxRow._make(row[:-1]) for row in found if not row[-1]]
+        return rows, len(found) - len(rows)
 
     def mark_processed(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
         if ids:
@@ -539,9 +555,12 @@ class Store:
             ).scalar()
         return bytes(body) if body is not None else None
 
-    def handler_savepoints(self, conn: sa.Connection) -> HandlerSavepoints:
-        """Savepoints for the handlers of the batch in `conn`'s transaction."""
-        return HandlerSavepoints(conn.connection.driver_connection)
+    def handler_savepoints(
+        self, conn: sa.Connection, *, after_claim: bool = False
+    ) -> HandlerSavepoints:
+        """Savepoints for the handlers of the batch in `conn`'s transaction
+        (after_claim: see claim_inbox)."""
+        return HandlerSavepoints(_pgconn(conn), after_claim=after_claim)
 
     def backend_pid(self, conn: sa.Connection) -> int | None:
         """The PostgreSQL backend pid of a connection in a transaction (no

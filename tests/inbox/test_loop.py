@@ -63,7 +63,7 @@ class LoopInbox:
     def metric(self, name: str) -> float:
         """A counter's value, from the daemon's /metrics text."""
         text = (self.daemon.metrics() or b"").decode()
-        found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
         assert found is not None, f"no {name} in the metrics"
         return float(found[1])
 
@@ -185,6 +185,21 @@ async def test_missing_message_id_dedups_by_body_hash(effects, loop_urls):
         assert inbox.metric("relay_inbox_duplicates_total") == 2
     assert [r[0] for r in inbox_rows(effects)] == [expected]
     assert effect_ids(effects) == [expected]
+
+
+async def test_every_handler_run_is_in_the_handler_seconds_histogram(effects, loop_urls):
+    # The dispatchers put a batch's runs into the histogram at its end:
+    # failed runs too, and the runs rolled back to run again.
+    async with LoopInbox(loop_urls, sync_registry, max_attempts=1) as inbox:
+        for n in range(40):
+            inbox.send(b'{"n": 1}', message_id=f"h-{n}", type="Effect")
+        inbox.send(b'{"n": 1}', message_id="h-fails", type="AlwaysFails")
+        await inbox.until(lambda: inbox.metric("relay_inbox_processed_total") == 40)
+        await inbox.until(lambda: inbox.metric("relay_inbox_failed_total") == 1)
+        runs = 41 + inbox.metric("relay_inbox_handler_reruns_total")
+        assert inbox.metric("relay_inbox_handler_seconds_count") == runs
+        assert inbox.metric('relay_inbox_handler_seconds_bucket{le="+Inf"}') == runs
+        assert 0 < inbox.metric("relay_inbox_handler_seconds_sum") < runs * 5
 
 
 # --------------------------------------------------------------------------

@@ -18,8 +18,11 @@ import time
 import orjson
 import pytest
 import sqlalchemy as sa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import relay
+from relay import storable
 from tests import amqp_raw
 from tests.conftest import effect_ids, rows, wait_until
 from tests.sqs_server import sqs, sqs_server  # noqa: F401 - fixtures
@@ -579,3 +582,35 @@ async def test_inbox_dispatches_a_failing_heads_key_head_first(effects, rabbit, 
         lambda: rows(effects, "SELECT status FROM inbox WHERE message_id = 'a-1'") == [("dead",)]
     )
     wait_until(lambda: effect_ids(effects) == ["b-1", "a-2"])
+
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_JSON_VALUES, pad=st.integers(min_value=0, max_value=60))
+def test_the_dispatchers_json_reading_keeps_every_number_exact(value, pad):
+    # storable.loads reads with orjson, which takes an integer past 64 bits
+    # for a float, and searches for long numbers only when it must: what
+    # it gives is what the json module gives, short texts and long alike.
+    text = json.dumps({"v": value, "pad": " " * pad}, ensure_ascii=False)
+    loaded = storable.loads(text)
+    assert loaded == json.loads(text)
+    assert repr(loaded) == repr(json.loads(text))  # 1 stays 1, never 1.0
+
+
+@pytest.mark.parametrize("pad", [0, 60])
+@pytest.mark.parametrize(
+    "text", ["[1, 2", "NaN", "[" * 600 + "]" * 600, '{"a": 123456789012345678901234567890,}']
+)
+def test_the_dispatchers_json_reading_refuses_what_is_not_json_short_or_long(text, pad):
+    with pytest.raises(ValueError, match="JSON"):
+        storable.loads(text + " " * pad)
