@@ -15,10 +15,10 @@ import json
 import re
 import time
 
+import hypothesis
 import orjson
 import pytest
 import sqlalchemy as sa
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import relay
@@ -590,13 +590,15 @@ _JSON_VALUES = st.recursive(
     | st.integers(min_value=-(2**80), max_value=2**80)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
 
-@settings(max_examples=400, deadline=None)
-@given(value=_JSON_VALUES, pad=st.integers(min_value=0, max_value=60))
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(value=_JSON_VALUES, pad=st.integers(min_value=0, max_value=60))
 def test_the_dispatchers_json_reading_keeps_every_number_exact(value, pad):
     # storable.loads reads with orjson, which takes an integer past 64 bits
     # for a float, and searches for long numbers only when it must: what
