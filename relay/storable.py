@@ -76,8 +76,8 @@ def loads(text: str | bytes) -> Any:
                 if short or not _LONG_DIGITS.search(text):
                     raise NotCarried(_json_problem(text, exc)) from None
             else:
+                _check_depth(text)  # first: _has_float recurses as deep as the JSON
                 if short or not (_has_float(value) and _LONG_DIGITS.search(text)):
-                    _check_depth(text)
                     return value
     raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
     return _loads_exact(raw)

@@ -611,7 +611,14 @@ def test_the_dispatchers_json_reading_keeps_every_number_exact(value, pad):
 
 @pytest.mark.parametrize("pad", [0, 60])
 @pytest.mark.parametrize(
-    "text", ["[1, 2", "NaN", "[" * 600 + "]" * 600, '{"a": 123456789012345678901234567890,}']
+    "text",
+    [
+        "[1, 2",
+        "NaN",
+        "[" * 600 + "]" * 600,
+        "[" * 1000 + "]" * 1000,  # orjson reads up to 1,024 levels
+        '{"a": 123456789012345678901234567890,}',
+    ],
 )
 def test_the_dispatchers_json_reading_refuses_what_is_not_json_short_or_long(text, pad):
     with pytest.raises(ValueError, match="JSON"):
