@@ -13,8 +13,10 @@ RabbitMQ (beam.smp) and PostgreSQL (every postgres process: other clients
 of the same servers count too, so run it on a quiet machine or read it as
 an upper bound). With --py-spy, the daemon runs under `py-spy record
 --subprocesses --format raw` and the hottest frames are printed (self and
-inclusive share of the samples). Reads the servers' processes only; changes
-nothing in them.
+inclusive share of the samples); BENCH_PY_SPY_ARGS adds py-spy options
+(`--gil`: only the samples of the thread holding the interpreter lock,
+about what costs CPU). Reads the servers' processes only; changes nothing
+in them.
 """
 
 from __future__ import annotations
