@@ -57,12 +57,14 @@ class SqsCollector:
 
     moto recomputes a queue's attributes over every stored message on each
     send, so a deep queue makes publishing quadratic; draining as messages
-    arrive keeps it shallow. One thread for a FIFO queue keeps the order
-    in which messages were received."""
+    arrive keeps it shallow (moto's delete and send race without
+    tests/sqs_server.py's lock). One thread for a FIFO queue keeps the
+    order in which messages were received."""
 
     def __init__(self, sqs: Sqs, dest: str, threads: int) -> None:
         self.sqs, self.dest = sqs, dest
         self.messages: list[dict[str, Any]] = []
+        self.errors: list[str] = []  # what moto answered besides messages
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
         for thread in self.threads:
@@ -72,8 +74,14 @@ class SqsCollector:
         while not self.stopping.is_set():
             try:
                 batch = self.sqs.receive(self.dest, wait=1)
-            except Exception:  # the queue is being deleted at teardown
-                return
+            except Exception as exc:
+                # moto busy beside a loaded machine (a timeout, a reset
+                # connection): ask again until stop() (the broker fixture
+                # calls it before the queue is deleted). A received batch
+                # whose delete failed comes back after its visibility timeout.
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                self.stopping.wait(0.2)
+                continue
             self.messages += batch  # list.extend is atomic under the GIL
 
     def stop(self) -> None:
@@ -92,7 +100,11 @@ class SqsCollector:
         while self.distinct() < count:
             if time.monotonic() > deadline:
                 self.stop()
-                raise AssertionError(f"got {self.distinct()} of {count} messages in {timeout}s")
+                raise AssertionError(
+                    f"got {self.distinct()} of {count} messages in {timeout}s "
+                    f"({len(self.errors)} failed receives, the last: {self.errors[-1:]}; "
+                    f"the queue still holds {self.sqs.count(self.dest)}, visible or in flight)"
+                )
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.5)  # duplicates still on their way
         self.stop()
