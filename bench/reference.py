@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import aio_pika
@@ -61,6 +60,7 @@ from bench.common import (
 )
 from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
 from bench.where import cpu_seconds, pids_named
+from tests.moto_main import MOTO_MAIN
 
 NODE_DIR = REPO / "bench" / ".node"
 AMQPLIB = "amqplib@2.3.1"
@@ -258,8 +258,10 @@ AWS = {
 
 async def start_moto(res: Resources) -> str:
     port = free_port()
-    moto_bin = Path(sys.executable).parent / "moto_server"
-    res.spawn("moto", [str(moto_bin), "-H", "127.0.0.1", "-p", str(port)], relay_env())
+    # moto's server, with the tests' mends (tests.moto_main): a message
+    # sent while another is deleted is kept.
+    argv = [sys.executable, "-c", MOTO_MAIN, "-H", "127.0.0.1", "-p", str(port)]
+    res.spawn("moto", argv, relay_env())
     deadline = time.monotonic() + 30
     while True:
         with contextlib.suppress(OSError):

@@ -85,6 +85,7 @@ from bench.reference import (
     scenario_multi,
     scenario_sqs_ref,
     scenario_wire,
+    start_moto,
 )
 from relay.outbox import WORKERS
 
@@ -388,19 +389,7 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
         return
     import boto3
 
-    port = free_port()
-    moto_bin = Path(sys.executable).parent / "moto_server"
-    res.spawn("moto", [str(moto_bin), "-H", "127.0.0.1", "-p", str(port)], relay_env())
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            break
-        if time.monotonic() > deadline:
-            raise BenchError("moto_server did not start in 30s")
-        await asyncio.sleep(0.1)
+    endpoint = await start_moto(res)
     aws = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
