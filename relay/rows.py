@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
+# Message attributes added above the brokers: (name, value) pairs.
+Attributes = tuple[tuple[str, str | int], ...]
+
 
 @dataclass(frozen=True, slots=True)
 class OutboxRow:
@@ -24,10 +27,14 @@ class OutboxRow:
     headers: str  # JSON object text
     created_at: datetime
     attempts: int
-    # Set by the claim check (relay.claimcheck): the payload is then its S3
-    # pointer, and this the size of the body stored in S3, which the
-    # publishers send as ExtendedPayloadSize.
-    extended_size: int | None = None
+    # The seam between the layers above the brokers (the claim check, and
+    # any envelope put around a publisher by the wiring) and the adapters:
+    # message attributes that a layer adds, which every adapter writes where
+    # its wire carries a message's own attributes (an AMQP header, an SQS
+    # message attribute, a Kafka header). An int is a number: an AMQP
+    # integer, an SQS Number attribute, a Kafka header's decimal text. No
+    # adapter knows which layer added which name.
+    attributes: Attributes = ()
 
 
 class InboxRow(NamedTuple):

@@ -35,7 +35,7 @@ import botocore.exceptions as bce
 from botocore.config import Config
 
 from relay.brokers import Outcome, Publisher, PublishResult, encode_failure, row_body
-from relay.claimcheck import pointer_body, where
+from relay.claimcheck import SIZE_ATTRIBUTE, pointer_body, where
 from relay.config import ClaimCheckURL, redact_url
 from relay.errors import BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
@@ -295,7 +295,9 @@ class ClaimCheckPublisher:
     def _pointer(self, row: OutboxRow, size: int) -> OutboxRow:
         """The row as published once its body is in S3: the pointer, and the size."""
         pointer = pointer_body(self.url.bucket, self.url.key(row.id))
-        return dataclasses.replace(row, payload=pointer, extended_size=size)
+        return dataclasses.replace(
+            row, payload=pointer, attributes=(*row.attributes, (SIZE_ATTRIBUTE, size))
+        )
 
     async def publish(self, rows: Sequence[OutboxRow]) -> list[PublishResult]:
         large = [index for index, row in enumerate(rows) if self._maybe_large(row)]
@@ -330,9 +332,9 @@ class ClaimCheckPublisher:
                 forward.append((index, row))
         sent = await self.inner.publish([row for _, row in forward]) if forward else []
         claimed = 0
-        for (index, row), result in zip(forward, sent, strict=True):
+        for (index, _row), result in zip(forward, sent, strict=True):
             results[index] = result
-            if row.extended_size is not None and result in (None, Outcome.UNROUTABLE):
+            if isinstance(offloaded.get(index), int) and result in (None, Outcome.UNROUTABLE):
                 claimed += 1
         if self.on_sent is not None:
             self.on_sent(claimed, uploaded)

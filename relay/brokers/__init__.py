@@ -77,6 +77,10 @@ class Incoming:
     undecodable: str | None = None
     # A claim check pointer whose object could not be read: why (relay.claimcheck).
     unfetched: str | None = None
+    # The message's content type where its broker carries one (the AMQP
+    # content_type property, the SQS attribute or Kafka header
+    # `content-type`), for the layers above the adapters to read.
+    content_type: str | None = None
 
 
 class Consumer(Protocol):

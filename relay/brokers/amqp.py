@@ -44,7 +44,6 @@ from relay.brokers import (
 )
 from relay.brokers.aiormq_internals import ConfirmFrame, Returning
 from relay.brokers.amqp_wire import publish_frames, shortstr
-from relay.claimcheck import SIZE_ATTRIBUTE
 from relay.config import redact_url
 from relay.errors import BadMessage, BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
@@ -375,8 +374,8 @@ class AmqpPublisher(_Client):
         if row.key is not None:
             headers[KEY_HEADER] = row.key
         table: Mapping[str, str | int] = headers
-        if row.extended_size is not None:  # the body is in S3 (relay.claimcheck)
-            table = {**headers, SIZE_ATTRIBUTE: row.extended_size}
+        if row.attributes:  # added above the broker (relay.rows.OutboxRow)
+            table = {**headers, **dict(row.attributes)}
         body = row_body(row)
         if len(body) > self.max_message_size:
             raise BadMessage(

@@ -42,7 +42,6 @@ from relay.brokers import (
     row_body,
     row_headers,
 )
-from relay.claimcheck import SIZE_ATTRIBUTE
 from relay.config import BrokerURL, redact_url
 from relay.errors import BadMessage, BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
@@ -243,8 +242,12 @@ def build_entry(row: OutboxRow, index: int) -> _Entry:
         attributes["key"] = _attribute(row.key)
     if headers:
         attributes["headers"] = _attribute(orjson.dumps(headers).decode())
-    if row.extended_size is not None:  # the body is in S3 (relay.claimcheck)
-        attributes[SIZE_ATTRIBUTE] = {"DataType": "Number", "StringValue": str(row.extended_size)}
+    for name, value in row.attributes:  # added above the broker (relay.rows)
+        attributes[name] = (
+            {"DataType": "Number", "StringValue": str(value)}
+            if isinstance(value, int)
+            else _attribute(value)
+        )
     for name, text in [("body", body)] + [
         (f"attribute {n!r}", a["StringValue"]) for n, a in attributes.items()
     ]:
