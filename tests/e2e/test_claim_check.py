@@ -27,7 +27,8 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.claimcheck import parts, pointer_body, read_pointer, resolve
+from relay.claimcheck import pointer_body, read_pointer
+from relay.claimcheck.inbound import parts, resolve
 from relay.config import ClaimCheckURL, parse_size
 from relay.errors import ConfigError
 from tests.conftest import (
