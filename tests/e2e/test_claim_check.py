@@ -512,6 +512,9 @@ def test_s3_away_for_a_while_is_retried_and_nothing_dies(
             str(port := free_port()),
             env=env_for(sqs),
         )
+        # Up (its HTTP server serves before it connects), and has met S3 away;
+        # then a while for anything it should not do.
+        proc.wait_for_log("retrying in")
         time.sleep(4)
         # Nothing was published (the key waits behind its first row), no attempt counted.
         assert [(s, a) for _, s, a, _ in outbox_status(engine)] == [("pending", 0)] * 3
