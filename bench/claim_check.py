@@ -9,7 +9,7 @@
   SQS queue, beside, in the same run and on the same moto server, the
   plain boto3 loop a user would write: put_object, then send_message with
   the pointer, one message after the other; and the same loop in as many
-  threads as relay uploads at once (relay.s3.UPLOADS). relay runs at the
+  threads as relay uploads at once (relay.claimcheck.s3.UPLOADS). relay runs at the
   default --batch-size and at 20; the rounds alternate, medians reported.
 - memory: the peak RSS (VmHWM, the daemon and its receiver process) of
   `relay outbox --once` over M rows of 10 MiB, at the default
@@ -166,7 +166,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             return name, sqs.create_queue(QueueName=name)["QueueUrl"]
 
         # -- drain rate, 1 MiB --------------------------------------------------
-        from relay.s3 import UPLOADS
+        from relay.claimcheck.s3 import UPLOADS
 
         _, plain_url = await asyncio.to_thread(queue, "plain")
         rates: dict[str, list[float]] = {}

@@ -32,8 +32,8 @@ from bench.common import PG_URL
 from relay.config import InboxSettings
 from relay.db import Store
 from relay.db.schema import apply
-from relay.inbox import Dispatcher
 from relay.metrics import InboxMetrics
+from relay.wiring import inbox_dispatcher
 
 CONSUMER = "bench"
 HEADERS = orjson.dumps(
@@ -72,7 +72,7 @@ async def dispatch(url: str, args: argparse.Namespace) -> None:
     )
     store = Store(url, sync=True)
     try:
-        dispatcher = Dispatcher(settings, store, registry, InboxMetrics())
+        dispatcher = inbox_dispatcher(settings, store, registry, InboxMetrics())
         await dispatcher.dispatch_batch()  # connections and prepared statements
         profile = cProfile.Profile() if args.profile else None
         done = 0

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relay.audit import Actor, record
-from relay.claimcheck import fetch_from
+from relay.claimcheck.retry import Restore, fetch_from
 from relay.config import ClaimCheckURL, Source
 from relay.db import Store, retry_in
 from relay.db.store import STATUSES
@@ -103,7 +103,7 @@ async def retry(
     store = Store(database_url, pool_size=1, schema=schema)
     objects = None
     if claim_check is not None:
-        from relay.s3 import ObjectStore
+        from relay.claimcheck.s3 import ObjectStore
 
         objects = ObjectStore(claim_check)
     try:
@@ -115,7 +115,7 @@ async def retry(
                 ids=ids,
                 all_dead=all_dead,
                 consumer=consumer,
-                fetch=fetch_from(objects),
+                restore=Restore(fetch_from(objects)),
             )
             if by is not None:
                 chosen: dict[str, Any] = {"all_dead": True} if all_dead else {}

@@ -198,6 +198,23 @@ def check_schema_name(name: str | None) -> str | None:
     return name
 
 
+# The inbox's options a broker's URL kind refuses, and why (a new broker's
+# URL adds its line): RabbitMQ takes them all.
+_SQS_QUEUE = (
+    "--queue-type and --queue-arg apply to RabbitMQ only: an SQS queue's "
+    "attributes are set where it is created"
+)
+REFUSED_OPTIONS: dict[str, dict[str, str]] = {
+    "amqp": {},
+    "sqs": {
+        "--queue-type": _SQS_QUEUE,
+        "--queue-arg": _SQS_QUEUE,
+        "--bind": "--bind applies to RabbitMQ only: an SQS queue receives what is sent to it "
+        "(subscribe it to an SNS topic to fan out)",
+    },
+}
+
+
 @dataclass(frozen=True)
 class BrokerURL:
     """A parsed --broker-url: `amqp(s)://…` for RabbitMQ or `sqs://…` for SQS."""
@@ -464,20 +481,14 @@ class InboxSettings(DaemonSettings):
             raise ConfigError(
                 f"--queue-arg x-queue-type={asked} contradicts --queue-type {self.queue_type}"
             )
-        if (
-            self.broker is not None
-            and self.broker.kind == "sqs"
-            and (self.queue_type == "quorum" or self.queue_args)
+        refused = REFUSED_OPTIONS.get(self.broker.kind, {}) if self.broker is not None else {}
+        for option, given in (
+            ("--queue-type", self.queue_type == "quorum"),
+            ("--queue-arg", bool(self.queue_args)),
+            ("--bind", bool(self.binds)),
         ):
-            raise ConfigError(
-                "--queue-type and --queue-arg apply to RabbitMQ only: an SQS queue's "
-                "attributes are set where it is created"
-            )
-        if self.binds and self.broker is not None and self.broker.kind == "sqs":
-            raise ConfigError(
-                "--bind applies to RabbitMQ only: an SQS queue receives what is sent to it "
-                "(subscribe it to an SNS topic to fan out)"
-            )
+            if given and option in refused:
+                raise ConfigError(refused[option])
         if not self.consumer_name:
             object.__setattr__(self, "consumer_name", self.queue)
         _positive("prefetch", self.prefetch)

@@ -25,7 +25,8 @@ from typing import Any
 
 from relay import storable
 from relay.audit import Actor, edit_state, record
-from relay.claimcheck import Fetch, fetch_from
+from relay.claimcheck.inbound import Fetch
+from relay.claimcheck.retry import Restore, fetch_from
 from relay.config import ClaimCheckURL
 from relay.db import AsyncConnection, Store, retry_in
 from relay.db import dead as sql
@@ -201,7 +202,7 @@ class DeadMessages:
         # Fetches the S3 object of an inbox row kept as a claim check
         # pointer before it is retried (relay.db.store.retry_in); without
         # it such rows stay dead, saying so.
-        self.fetch = fetch
+        self.restore = Restore(fetch)
 
     # -- reading ----------------------------------------------------------------
 
@@ -306,7 +307,7 @@ class DeadMessages:
             for table in where.tables():
                 count = 0
                 for consumer, chosen in (await self._select(conn, table, where, ids)).items():
-                    count += await _retry_rows(conn, table, chosen, consumer, self.fetch)
+                    count += await _retry_rows(conn, table, chosen, consumer, self.restore)
                 done[table] = count
             await _audit(conn, by, "retry", where, ids, done)
         return done
@@ -434,10 +435,12 @@ async def _retry_rows(
     table: str,
     ids: Sequence[str],
     consumer: str | None,
-    fetch: Fetch | None = None,
+    restore: Restore | None = None,
 ) -> int:
     """The store's RETRY statement (that of `relay retry`) on these rows, then a wake-up."""
-    return int(await retry_in(conn, table, ids=ids, all_dead=False, consumer=consumer, fetch=fetch))
+    return int(
+        await retry_in(conn, table, ids=ids, all_dead=False, consumer=consumer, restore=restore)
+    )
 
 
 async def _discard_rows(
@@ -496,7 +499,7 @@ async def open_dead(
     store = Store(database_url, pool_size=1, schema=schema)
     objects = None
     if claim_check is not None:
-        from relay.s3 import ObjectStore
+        from relay.claimcheck.s3 import ObjectStore
 
         objects = ObjectStore(claim_check)
     try:

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import relay
 from relay.backoff import Backoff, sleep_unless
+from relay.brokers import kind_of
 from relay.config import (
     BrokerURL,
     InboxSettings,
@@ -103,8 +104,12 @@ class DemoSettings:
 
     @property
     def topic(self) -> str:
-        # SQS has no exchange: the topic is the queue the inbox reads.
-        return self.queue if self.broker is not None and self.broker.kind == "sqs" else TOPIC
+        # A broker without an exchange (SQS): the topic is the queue the inbox reads.
+        return self.queue if self._topic_is_queue else TOPIC
+
+    @property
+    def _topic_is_queue(self) -> bool:
+        return self.broker is not None and kind_of(self.broker).topic_is_queue
 
     def outbox(self) -> OutboxSettings:
         return OutboxSettings(
@@ -116,7 +121,7 @@ class DemoSettings:
         )
 
     def inbox(self) -> InboxSettings:
-        binds = (BIND,) if self.broker is not None and self.broker.kind == "amqp" else ()
+        binds = (BIND,) if self.broker is not None and not self._topic_is_queue else ()
         return InboxSettings(
             database_url=self.database_url,
             broker=self.broker,

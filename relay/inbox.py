@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from relay import batches, storable, tracing
 from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
-from relay.config import InboxSettings
 from relay.db import Store, connection_invalidated
 from relay.errors import HandlerHung, Unavailable
 from relay.handlers import (
@@ -63,19 +62,37 @@ ABORTED_BY_HANDLER = (
 
 
 class Dispatcher:
-    """Pending inbox rows → handlers, in per-key order, exactly once per commit."""
+    """Pending inbox rows → handlers, in per-key order, exactly once per commit.
+
+    Given what wiring read from the settings: the rows' `consumer_name`, the
+    claim's `batch_size` and `on_dead`, `max_attempts` and the failed
+    attempts' `backoff` for the marks, the `handler_timeout`, the idle
+    `poll_interval`, and the spans' `messaging_system` (relay.brokers.Kind.system)."""
 
     def __init__(
         self,
-        settings: InboxSettings,
         store: Store,
         registry: HandlerRegistry,
         metrics: InboxMetrics,
         pace: Pace | None = None,
         worker: int = 0,
         workers: int = 1,
+        *,
+        consumer_name: str,
+        batch_size: int,
+        on_dead: str,
+        max_attempts: int,
+        backoff: Backoff,
+        handler_timeout: float,
+        poll_interval: float,
+        messaging_system: str = "",
     ) -> None:
-        self.settings = settings
+        self.consumer_name = consumer_name
+        self.batch_size = batch_size
+        self.on_dead = on_dead
+        self.max_attempts = max_attempts
+        self.handler_timeout = handler_timeout
+        self.poll_interval = poll_interval
         self.worker = worker
         self.workers = workers
         self.store = store
@@ -100,9 +117,8 @@ class Dispatcher:
         }
         self.metrics = metrics
         self.pace = pace
-        broker = settings.broker.kind if settings.broker is not None else ""
-        self.messaging_system = tracing.SYSTEMS.get(broker, broker)
-        self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
+        self.messaging_system = messaging_system
+        self.backoff = backoff
         self.reconnect = reconnect_backoff()
         self.wakeup = asyncio.Event()
         self.stopping = asyncio.Event()
@@ -145,18 +161,17 @@ class Dispatcher:
     def _batch(
         self, conn: Any, async_conn: Any
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]], dict[str, str], int]:
-        s = self.settings
-        consumer = s.consumer_name
+        consumer = self.consumer_name
         # The claim's planner settings are turned off by the savepoints'
         # first round trip (Store.claim_inbox), before any handler runs.
         rows, blocked = self.store.claim_inbox(
-            conn, consumer, s.batch_size, s.on_dead, self.worker, self.workers, unplan=False
+            conn, consumer, self.batch_size, self.on_dead, self.worker, self.workers, unplan=False
         )
         if not rows:
             return [], [], {}, blocked
         processed, failed = self._run_handlers(conn, async_conn, rows)
         self.store.mark_processed(conn, consumer, processed)
-        statuses = self.store.mark_inbox_failed(conn, consumer, failed, s.max_attempts)
+        statuses = self.store.mark_inbox_failed(conn, consumer, failed, self.max_attempts)
         return processed, failed, statuses, blocked
 
     def _report(
@@ -395,7 +410,7 @@ class Dispatcher:
             if not tracing.enabled:
                 return self._call(handler, messages, conn, async_conn, asynchronous)
             with tracing.process_batch(
-                self.messaging_system, self.settings.consumer_name, part[0][0].type, len(part)
+                self.messaging_system, self.consumer_name, part[0][0].type, len(part)
             ) as span:
                 failure = self._call(handler, messages, conn, async_conn, asynchronous)
                 if failure is not None:
@@ -440,7 +455,7 @@ class Dispatcher:
             )
         # A body that was not JSON (dead on arrival, then retried): its raw bytes.
         body = (
-            self.store.inbox_body(conn, self.settings.consumer_name, row.message_id)
+            self.store.inbox_body(conn, self.consumer_name, row.message_id)
             if row.payload is None
             else None
         )
@@ -452,7 +467,7 @@ class Dispatcher:
             payload=payload,
             headers=headers if isinstance(headers, dict) else {},
             attempts=row.attempts,
-            consumer=self.settings.consumer_name,
+            consumer=self.consumer_name,
             body=body,
         )
 
@@ -495,9 +510,7 @@ class Dispatcher:
     ) -> Failure | None:
         """Run one handler; its exception as a Failure (a lost database raises)."""
         try:
-            call_from_sync(
-                handler, message, conn, async_conn, self.settings.handler_timeout, asynchronous
-            )
+            call_from_sync(handler, message, conn, async_conn, self.handler_timeout, asynchronous)
         except Unavailable:
             raise
         except Exception as exc:
@@ -506,7 +519,7 @@ class Dispatcher:
             if isinstance(exc, TimeoutError) and not str(exc):  # asyncio.timeout's
                 return Failure(
                     f"handler did not finish within --handler-timeout "
-                    f"{self.settings.handler_timeout:g}s and was cancelled\n{_error_text(exc)}"
+                    f"{self.handler_timeout:g}s and was cancelled\n{_error_text(exc)}"
                 )
             return Failure(_error_text(exc))
         return None
@@ -531,14 +544,14 @@ class Dispatcher:
                 continue
             self.last_progress = time.monotonic()
             if self.pace is not None:
-                caught_up = done + blocked < self.settings.batch_size
+                caught_up = done + blocked < self.batch_size
                 self.pace.dispatched(self.worker, done, caught_up, stored_before_claim)
             if done:
                 continue
             if blocked:
                 await asyncio.sleep(BLOCKED_RETRY)
                 continue
-            await sleep_unless(self.wakeup, self.settings.poll_interval)
+            await sleep_unless(self.wakeup, self.poll_interval)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -640,13 +653,12 @@ class DispatcherThread:
             if dispatcher is None or in_hand is None:
                 continue
             held, started, pid = in_hand
-            settings = dispatcher.settings
             ran = time.monotonic() - started
-            if ran < settings.handler_timeout * HUNG_AFTER or dispatcher.in_hand is not in_hand:
+            if ran < dispatcher.handler_timeout * HUNG_AFTER or dispatcher.in_hand is not in_hand:
                 continue
             error = (
                 f"handler hung: still running after {ran:.1f}s (--handler-timeout "
-                f"{settings.handler_timeout:g}s) and could not be interrupted; its "
+                f"{dispatcher.handler_timeout:g}s) and could not be interrupted; its "
                 "transaction was ended and the inbox daemon exited so that its "
                 "supervisor restarts it"
             )
@@ -668,14 +680,16 @@ class DispatcherThread:
             # message in it (which one hangs is not known); having failed,
             # each runs alone next time, and only the one that hangs again
             # fails again (relay.batches.run_in_parts).
-            store = Store(settings.database_url, pool_size=1, schema=settings.schema)
+            # A connection of its own: the batch's is held by the hung handler.
+            batch_store = dispatcher.store
+            store = Store(batch_store.database_url, pool_size=1, schema=batch_store.schema)
             try:
                 statuses = await store.fail_hung_handler(
                     pid,
-                    settings.consumer_name,
+                    dispatcher.consumer_name,
                     [(row, dispatcher.backoff.delay(row.attempts + 1)) for row in held],
                     error,
-                    settings.max_attempts,
+                    dispatcher.max_attempts,
                 )
             except Exception as exc:  # the restart is what matters; the count is best effort
                 log.error("could not record the hung handler's attempt: %r", exc)

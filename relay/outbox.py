@@ -24,7 +24,6 @@ from relay.backoff import (
     wait_to_reconnect,
 )
 from relay.brokers import Outcome, Publisher
-from relay.config import OutboxSettings
 from relay.db import OutboxSession, Store
 from relay.errors import BrokerUnavailable, ShareBusy, Unavailable
 from relay.metrics import OutboxMetrics
@@ -44,20 +43,40 @@ UNROUTABLE_LOG_INTERVAL = 60.0
 
 
 class OutboxRelay:
-    """The outbox loop, independent of which broker the Publisher speaks to."""
+    """The outbox loop, independent of which broker the Publisher speaks to.
+
+    Given what wiring read from the settings: the claim's `batch_size`, the
+    idle workers' `poll_interval`, `max_attempts` and `on_dead` for the
+    marks, the failed attempts' `backoff`, and for log lines and spans the
+    `exchange`, the broker's `messaging_system` (relay.brokers.Kind.system)
+    and the spans' `destination` (the exchange, or None: each row's topic)."""
 
     def __init__(
         self,
-        settings: OutboxSettings,
         store: Store,
         publisher: Publisher,
         metrics: OutboxMetrics | None = None,
+        *,
+        batch_size: int,
+        poll_interval: float,
+        max_attempts: int,
+        on_dead: str,
+        backoff: Backoff,
+        exchange: str,
+        messaging_system: str = "",
+        destination: str | None = None,
     ) -> None:
-        self.settings = settings
         self.store = store
         self.publisher = publisher
         self.metrics = metrics or OutboxMetrics()
-        self.backoff = Backoff(settings.backoff_min, settings.backoff_max)
+        self.batch_size = batch_size
+        self.poll_interval = poll_interval
+        self.max_attempts = max_attempts
+        self.on_dead = on_dead
+        self.exchange = exchange
+        self.messaging_system = messaging_system
+        self.destination = destination
+        self.backoff = backoff
         self.reconnect = reconnect_backoff()
         self._wakeups: dict[int, asyncio.Event] = {}  # by worker
         self._idle: set[int] = set()  # workers waiting for a notification
@@ -117,16 +136,15 @@ class OutboxRelay:
         another relay's worker, or with every_key when one share was held
         elsewhere: the locks, one per share across every relay, are how no
         two relays claim rows of the same keys at once."""
-        s = self.settings
         session = self._sessions.get(worker)
         if session is None:
-            session = self._sessions[worker] = self.store.outbox_session(s.on_dead, WORKERS)
+            session = self._sessions[worker] = self.store.outbox_session(self.on_dead, WORKERS)
         # A claim of every key leaves out the shares this relay's own
         # batches hold: their rows it skips, as one relay's workers always did.
         held = frozenset[int]().union(*self._holding.values()) if every_key else frozenset()
         try:
             share = (0, 1) if every_key else (worker, workers)
-            rows, blocked = await session.claim(s.batch_size, *share, held=held)
+            rows, blocked = await session.claim(self.batch_size, *share, held=held)
             self._holding[worker] = (
                 frozenset(range(WORKERS)) - held if every_key else frozenset({worker})
             )
@@ -159,7 +177,9 @@ class OutboxRelay:
                     self._note_unroutable(row)
                 elif isinstance(result, Failure):
                     failed.append((row, result, self.backoff.delay(row.attempts + 1)))
-            statuses = await session.finish([row.id for row in published], failed, s.max_attempts)
+            statuses = await session.finish(
+                [row.id for row in published], failed, self.max_attempts
+            )
         except BaseException:
             await session.abort()
             raise
@@ -203,7 +223,7 @@ class OutboxRelay:
             "unroutable: no queue is bound to exchange %r for topic %r; published anyway "
             "(%d more since the last notice; relay_outbox_unroutable_total counts them; "
             "--on-unroutable fail makes them failed attempts)",
-            self.settings.exchange,
+            self.exchange,
             row.topic,
             since,
             extra={"action": "unroutable", "message_id": row.id, "topic": row.topic},
@@ -211,7 +231,6 @@ class OutboxRelay:
 
     def _start_spans(self, rows: list[OutboxRow]) -> list[Any]:
         """A PRODUCER span per row, each continuing its row's traceparent."""
-        broker = self.settings.broker.kind if self.settings.broker is not None else ""
         headers = []
         for row in rows:
             try:
@@ -219,8 +238,7 @@ class OutboxRelay:
             except orjson.JSONDecodeError:
                 parsed = None
             headers.append(parsed if isinstance(parsed, dict) else {})
-        destination = self.settings.exchange if broker == "amqp" else None
-        return tracing.start_send(rows, tracing.SYSTEMS.get(broker, broker), destination, headers)
+        return tracing.start_send(rows, self.messaging_system, self.destination, headers)
 
     async def run(self, *, once: bool = False) -> None:
         """Run the workers until stop() (or, with once, until nothing is due)."""
@@ -285,7 +303,7 @@ class OutboxRelay:
                 if not done:
                     await asyncio.sleep(BLOCKED_RETRY)
                 continue
-            if done >= self.settings.batch_size:
+            if done >= self.batch_size:
                 self._wake_idle()
                 continue
             if once:
@@ -296,7 +314,7 @@ class OutboxRelay:
             # committed since have notified (and set wakeup).
             self._idle.add(worker)
             try:
-                await sleep_unless(wakeup, self.settings.poll_interval)
+                await sleep_unless(wakeup, self.poll_interval)
             finally:
                 self._idle.discard(worker)
 

@@ -12,7 +12,7 @@ stays small.
 The parent and the child talk over a socket pair, in length-prefixed
 pickles (both ends are this module, in one process tree):
 
-    parent → child   Start (settings, pace limit, logging), Lead (relay.pacing), Stop
+    parent → child   Start (the receiver's parts, pace limit, logging), Lead (relay.pacing), Stop
     child → parent   Alive (connected), Stored (received, new, dead), ConfigProblem (text)
 
 The child exits with its parent: PR_SET_PDEATHSIG on Linux, and an end of
@@ -30,18 +30,18 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from relay import logs
 from relay.backoff import until_available
-from relay.brokers import Consumer, make_consumer
-from relay.config import InboxSettings
+from relay.brokers import Consumer
 from relay.db.connect import password_command, use_password_command
 from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, Lead, LeadGate, Pace
-from relay.receiving import Receiver, Report
+from relay.receiving import Receiver, Report, Stage
 
 log = logging.getLogger("relay.inbox")
 
@@ -50,28 +50,35 @@ log = logging.getLogger("relay.inbox")
 ALIVE_INTERVAL = 1.0
 
 
-class LocalReceiver:
-    """A Receiver on the running event loop, with its consumer (the one for
-    the settings' broker URL unless one is given: the tests' memory broker
-    has no URL) and writer."""
+@dataclass(frozen=True)
+class ReceiverParts:
+    """What a receiver is built from, as wiring made it: its collaborators'
+    factories, called where the receiver runs (in ReceiverProcess's child
+    they travel pickled: module-level functions, classes and
+    functools.partial of them), and the values it uses."""
 
-    def __init__(
-        self, settings: InboxSettings, pace: Gate, report: Report, consumer: Consumer | None = None
-    ) -> None:
-        if consumer is None:
-            assert settings.broker is not None
-            consumer = make_consumer(
-                settings.broker,
-                queue=settings.queue,
-                exchange=settings.exchange,
-                binds=settings.binds,
-                prefetch=settings.prefetch,
-                queue_type=settings.queue_type,
-                queue_args=settings.queue_args,
-            )
-        self.consumer = consumer
-        self.writer = InboxWriter(settings.database_url, settings.schema)
-        self.receiver = Receiver(settings, self.writer, self.consumer, pace, report)
+    consumer: Callable[[], Consumer]
+    writer: Callable[[], InboxWriter]
+    stage: Callable[[], Stage] | None  # relay.receiving.Stage: the claim check's
+    consumer_name: str
+    batch_size: int
+
+
+class LocalReceiver:
+    """A Receiver on the running event loop, with its consumer and writer."""
+
+    def __init__(self, parts: ReceiverParts, pace: Gate, report: Report) -> None:
+        self.consumer = parts.consumer()
+        self.writer = parts.writer()
+        self.receiver = Receiver(
+            self.writer,
+            self.consumer,
+            pace,
+            report,
+            consumer_name=parts.consumer_name,
+            batch_size=parts.batch_size,
+            stage=parts.stage() if parts.stage is not None else None,
+        )
         self.stopping = self.receiver.stopping
 
     @property
@@ -110,7 +117,7 @@ class LocalReceiver:
 class Start:
     """The parent's first message: what to receive, the pace, the logging."""
 
-    settings: InboxSettings
+    parts: ReceiverParts
     limit: int  # the Pace's limit (rows stored ahead of the dispatchers)
     logging: tuple[str, str, tuple[str, ...]]  # relay.logs.configuration()
 
@@ -175,8 +182,8 @@ class ReceiverProcess:
     metrics, the Pace and the dispatchers' wake-up, as a LocalReceiver's
     would, and the Pace's lead goes back to the child after every change."""
 
-    def __init__(self, settings: InboxSettings, pace: Pace, report: Report) -> None:
-        self.settings = settings
+    def __init__(self, parts: ReceiverParts, pace: Pace, report: Report) -> None:
+        self.parts = parts
         self.pace = pace
         self.report = report
         self.stopping = asyncio.Event()
@@ -219,7 +226,7 @@ class ReceiverProcess:
         self._reader, self._writer = await asyncio.open_connection(sock=ours)
         _send(
             self._writer,
-            Start(self.settings, self.pace.limit, logs.configuration() or ("INFO", "text", ())),
+            Start(self.parts, self.pace.limit, logs.configuration() or ("INFO", "text", ())),
         )
         if self.stopping.is_set():
             _send(self._writer, Stop())
@@ -315,9 +322,7 @@ async def _child(fd: int) -> int:
         _send(writer, Stored(received, new, dead, fetched, fetched_bytes))
 
     try:
-        await _receive_until_stopped(
-            LocalReceiver(start.settings, gate, report), reader, writer, gate
-        )
+        await _receive_until_stopped(LocalReceiver(start.parts, gate, report), reader, writer, gate)
         return 0
     except ConfigError as exc:
         _send(writer, ConfigProblem(str(exc)))

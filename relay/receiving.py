@@ -15,12 +15,10 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol
 
-from relay import claimcheck
 from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
-from relay.config import InboxSettings
 from relay.db.writer import InboxWriter
 from relay.errors import Refused, Unavailable
 from relay.pacing import Gate
@@ -31,12 +29,25 @@ log = logging.getLogger("relay.inbox")
 
 # How long the receiver waits to fill a batch once a message has arrived.
 BATCH_WAIT = 0.005
-# Claim check bodies fetched and held at once (a batch is stored in parts).
-FETCHED_AT_ONCE = 4
 
 # (messages received, rows new to the table, new rows stored as dead,
 # messages whose body was fetched from S3 by claim check, bytes fetched)
 Report = Callable[[int, int, int, int, int], None]
+
+
+class Stage(Protocol):
+    """What wiring puts between the consumer's batches and their rows: the
+    claim check's (relay.claimcheck.inbound.Inbound), whichever the broker."""
+
+    def parts(self, batch: Sequence[Incoming]) -> list[Sequence[Incoming]]:
+        """The batch in the parts to store one after the other."""
+
+    async def resolve(self, part: Sequence[Incoming]) -> tuple[list[Incoming], int, int]:
+        """The part's messages as their rows are built from them; how many
+        bodies were fetched, and how many bytes. Raises Unavailable while
+        what it fetches from cannot be reached."""
+
+    async def close(self) -> None: ...
 
 
 # --------------------------------------------------------------------------
@@ -65,30 +76,28 @@ class Receiver:
 
     def __init__(
         self,
-        settings: InboxSettings,
         writer: InboxWriter,
         consumer: Consumer,
         pace: Gate,
         report: Report,
+        *,
+        consumer_name: str,
+        batch_size: int,
+        stage: Stage | None = None,
     ) -> None:
-        self.settings = settings
         self.writer = writer
         self.consumer = consumer
         self.pace = pace
         self.report = report
+        self.consumer_name = consumer_name  # the inbox rows' consumer
+        self.batch_size = batch_size
+        self.stage = stage
         self.stopping = asyncio.Event()
         self.reconnect = reconnect_backoff()
-        self.fetch: claimcheck.Fetch | None = None
-        self._reader: Any = None
-        if settings.claim_check is not None:
-            from relay.s3 import ClaimCheckReader  # boto3, only when asked for
-
-            self._reader = ClaimCheckReader(settings.claim_check)
-            self.fetch = self._reader.fetch
 
     async def close(self) -> None:
-        if self._reader is not None:
-            await self._reader.close()
+        if self.stage is not None:
+            await self.stage.close()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -98,7 +107,7 @@ class Receiver:
         await until_available(self._consume, self.stopping, self.reconnect, log)
 
     async def _consume(self) -> None:
-        batches = self.consumer.batches(self.settings.batch_size, BATCH_WAIT)
+        batches = self.consumer.batches(self.batch_size, BATCH_WAIT)
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             while not self.stopping.is_set():
@@ -118,18 +127,19 @@ class Receiver:
             await batches.aclose()
 
     async def store_batch(self, batch: Sequence[Incoming]) -> None:
-        """Fetch the bodies of claim check pointers, insert and commit, then
-        acknowledge. Holds on to the batch (unacked) while S3 or the database
-        is away, unless stopping.
+        """Resolve the batch through the stage (the claim check's: the bodies
+        of pointers fetched), insert and commit, then acknowledge. Holds on
+        to the batch (unacked) while S3 or the database is away, unless
+        stopping.
 
-        A batch with claim check pointers is stored in parts of at most
-        FETCHED_AT_ONCE of them (relay.claimcheck.parts), so that no more
-        than that many large bodies are in memory at once; the batch is
-        acknowledged once every part is committed."""
+        The stage may split the batch in parts (the claim check's hold at
+        most relay.claimcheck.inbound.FETCHED_AT_ONCE pointers, so that no
+        more than that many large bodies are in memory at once); the batch
+        is acknowledged once every part is committed."""
         stored: list[NewInboxRow] = []
         new: set[str] = set()
         fetched = fetched_bytes = 0
-        parts = claimcheck.parts(batch, FETCHED_AT_ONCE)
+        parts = self.stage.parts(batch) if self.stage is not None else [batch]
         for part in parts:
             resolved, count, size = await self._resolve(part)
             fetched, fetched_bytes = fetched + count, fetched_bytes + size
@@ -178,12 +188,14 @@ class Receiver:
                 await sleep_unless(self.stopping, delay)
 
     async def _resolve(self, batch: Sequence[Incoming]) -> tuple[list[Incoming], int, int]:
-        """relay.claimcheck.resolve, waiting out an S3 that cannot be reached
-        (as a database that is away: nothing is stored dead for it)."""
+        """The stage's resolve, waiting out an S3 that cannot be reached (as
+        a database that is away: nothing is stored dead for it)."""
+        if self.stage is None:
+            return list(batch), 0, 0
         failures = 0
         while True:
             try:
-                return await claimcheck.resolve(batch, self.fetch)
+                return await self.stage.resolve(batch)
             except Unavailable as exc:
                 if self.stopping.is_set():
                     raise
@@ -202,7 +214,7 @@ class Receiver:
         all) is stored again by itself, and if refused again, as a dead row
         of what cannot be refused (relay.storable.last_resort). Replaces the
         refused rows in `rows`, so that the report counts what was stored."""
-        consumer = self.settings.consumer_name
+        consumer = self.consumer_name
         try:
             return await self.writer.insert(consumer, rows)
         except Refused:

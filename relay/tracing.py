@@ -36,9 +36,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# The messaging.system value per broker kind (relay.config.BrokerURL.kind).
-SYSTEMS = {"amqp": "rabbitmq", "sqs": "aws_sqs"}
-
 enabled = False
 _tracer: Any = None
 _provider: Any = None

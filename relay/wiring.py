@@ -1,26 +1,33 @@
 """Wiring: each daemon built from its parts, and run under one lifecycle.
 
-The loops (relay.outbox, relay.inbox, relay.receiving) know nothing of one
-another, of the lifecycle or of the broker in use; here each daemon gets
-its store, broker adapter, listener, scheduled jobs, pacing, metrics and
-probes, as a relay.lifecycle.Service. `relay outbox` and `relay inbox` run
-one each (serve_outbox, serve_inbox); `relay demo` runs both in one process.
+The composition root: the daemons' settings (relay.config) are read here,
+and the parts are given finished collaborators and the few values they
+use. The loops (relay.outbox, relay.inbox, relay.receiving) know nothing of
+one another, of the lifecycle, of the settings or of the broker in use;
+here each daemon gets its store, broker adapter (behind the claim check,
+relay.claimcheck, when --claim-check is given), listener, scheduled jobs,
+pacing, metrics and probes, as a relay.lifecycle.Service. `relay outbox`
+and `relay inbox` run one each (serve_outbox, serve_inbox); `relay demo`
+runs both in one process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 from relay import tracing
-from relay.backoff import reconnect_backoff, until_available
-from relay.brokers import Consumer, make_publisher
+from relay.backoff import Backoff, reconnect_backoff, until_available
+from relay.brokers import Consumer, Publisher, kind_of, make_consumer, make_publisher
+from relay.claimcheck.inbound import Inbound
 from relay.config import DaemonSettings, InboxSettings, OutboxSettings
 from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
 from relay.db.connect import check_tls
+from relay.db.writer import InboxWriter
 from relay.errors import Unavailable
 from relay.handlers import HandlerRegistry, is_async
 from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
@@ -30,7 +37,7 @@ from relay.maintenance import run_scheduler
 from relay.metrics import InboxMetrics, OutboxMetrics
 from relay.outbox import WORKERS, OutboxRelay
 from relay.pacing import PACE_BATCHES, Pace
-from relay.receiver_process import LocalReceiver, ReceiverProcess
+from relay.receiver_process import LocalReceiver, ReceiverParts, ReceiverProcess
 
 # The loops' own loggers: a daemon's lines keep the name of its loop.
 outbox_log = logging.getLogger("relay.outbox")
@@ -43,6 +50,64 @@ async def check_database_tls(settings: DaemonSettings) -> None:
     await check_tls(settings.database_url)
     if settings.listen_url:
         await check_tls(settings.listen_url, "--listen-url")
+
+
+def backoff(settings: DaemonSettings) -> Backoff:
+    """The failed attempts' backoff (--backoff-min, --backoff-max)."""
+    return Backoff(settings.backoff_min, settings.backoff_max)
+
+
+def messaging_system(settings: DaemonSettings) -> str:
+    """OpenTelemetry's messaging.system for the settings' broker ("" without one)."""
+    return kind_of(settings.broker).system if settings.broker is not None else ""
+
+
+def outbox_publisher(
+    settings: OutboxSettings, on_claim_check: Callable[[int, int], None] | None = None
+) -> Publisher:
+    """The publisher for the settings' broker URL, behind the claim check
+    (relay.claimcheck.publisher) with --claim-check; `on_claim_check` hears
+    of each batch's claim checked messages and bytes."""
+    assert settings.broker is not None
+    made = make_publisher(
+        settings.broker,
+        exchange=settings.exchange,
+        on_unroutable=settings.on_unroutable,
+        workers=WORKERS,
+    )
+    if settings.claim_check is None:
+        return made
+    from relay.claimcheck.publisher import ClaimCheckPublisher  # boto3, only when asked for
+
+    return ClaimCheckPublisher(
+        made, settings.claim_check, settings.claim_check_over, on_claim_check
+    )
+
+
+def outbox_relay(
+    settings: OutboxSettings,
+    store: Store,
+    publisher: Publisher,
+    metrics: OutboxMetrics | None = None,
+    *,
+    poll_interval: float | None = None,
+) -> OutboxRelay:
+    """The outbox loop on `store` and `publisher`, with the settings' values
+    (`poll_interval` in place of --poll-interval's, if given)."""
+    topic_is_queue = settings.broker is None or kind_of(settings.broker).topic_is_queue
+    return OutboxRelay(
+        store,
+        publisher,
+        metrics,
+        batch_size=settings.batch_size,
+        poll_interval=settings.poll_interval if poll_interval is None else poll_interval,
+        max_attempts=settings.max_attempts,
+        on_dead=settings.on_dead,
+        backoff=backoff(settings),
+        exchange=settings.exchange,
+        messaging_system=messaging_system(settings),
+        destination=None if topic_is_queue else settings.exchange,
+    )
 
 
 def outbox_service(
@@ -66,25 +131,19 @@ def outbox_service(
     store = Store(settings.database_url, pool_size=pool_size, schema=settings.schema)
     if metrics is None:
         metrics = OutboxMetrics()
-    publisher = make_publisher(
-        broker,
-        exchange=settings.exchange,
-        on_unroutable=settings.on_unroutable,
-        workers=WORKERS,
-        claim_check=settings.claim_check,
-        claim_check_over=settings.claim_check_over,
-        on_claim_check=metrics.claim_check_sent,
+    publisher = outbox_publisher(settings, metrics.claim_check_sent)
+    poller = one_poll and not once
+    # Each idle worker's own poll comes seldom under a poller, which wakes the
+    # relay every --poll-interval as a notification does, and one idle worker
+    # (a scout) claims the due rows of every key: one claim where the four
+    # workers made four, the same rows found as soon.
+    relay = outbox_relay(
+        settings,
+        store,
+        publisher,
+        metrics,
+        poll_interval=max(settings.poll_interval, WORKER_POLL) if poller else None,
     )
-    loop_settings = settings
-    if one_poll and not once:
-        # Each idle worker's own poll comes seldom; a poller wakes the relay
-        # every --poll-interval as a notification does, and one idle worker
-        # (a scout) claims the due rows of every key: one claim where the
-        # four workers made four, the same rows found as soon.
-        loop_settings = dataclasses.replace(
-            settings, poll_interval=max(settings.poll_interval, WORKER_POLL)
-        )
-    relay = OutboxRelay(loop_settings, store, publisher, metrics)
     probe_lock = asyncio.Lock()
 
     async def main(started: Started) -> None:
@@ -104,12 +163,7 @@ def outbox_service(
         async with probe_lock:
             if publisher.connected:
                 return True
-            probe = make_publisher(
-                broker,
-                exchange=settings.exchange,
-                workers=WORKERS,
-                claim_check=settings.claim_check,
-            )
+            probe = outbox_publisher(settings)
             try:
                 await probe.connect()
                 return True
@@ -137,7 +191,7 @@ def outbox_service(
     if not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
-    if loop_settings is not settings:
+    if poller:
         background["poller"] = lambda stop: _poll(relay, settings.poll_interval)
     return Service(
         name="outbox",
@@ -180,6 +234,67 @@ async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
         own_process=True,
     )
     return await daemon.run()
+
+
+def inbox_dispatcher(
+    settings: InboxSettings,
+    store: Store,
+    registry: HandlerRegistry,
+    metrics: InboxMetrics,
+    pace: Pace | None = None,
+    worker: int = 0,
+    workers: int = 1,
+) -> Dispatcher:
+    """A dispatcher of `worker`'s share of the keys, with the settings' values."""
+    return Dispatcher(
+        store,
+        registry,
+        metrics,
+        pace,
+        worker,
+        workers,
+        consumer_name=settings.consumer_name,
+        batch_size=settings.batch_size,
+        on_dead=settings.on_dead,
+        max_attempts=settings.max_attempts,
+        backoff=backoff(settings),
+        handler_timeout=settings.handler_timeout,
+        poll_interval=settings.poll_interval,
+        messaging_system=messaging_system(settings),
+    )
+
+
+def receiver_parts(settings: InboxSettings, consumer: Consumer | None = None) -> ReceiverParts:
+    """What the receiver is built from where it runs: the consumer for the
+    settings' broker URL (or `consumer`, which cannot go to another process),
+    the inbox writer, the claim check's stage (relay.claimcheck.inbound:
+    pointers fetched from S3 with --claim-check, else kept and stored dead,
+    saying why), whichever the broker. Picklable without `consumer`."""
+    if consumer is None:
+        assert settings.broker is not None
+        consume: Callable[[], Consumer] = functools.partial(
+            make_consumer,
+            settings.broker,
+            queue=settings.queue,
+            exchange=settings.exchange,
+            binds=settings.binds,
+            prefetch=settings.prefetch,
+            queue_type=settings.queue_type,
+            queue_args=settings.queue_args,
+        )
+    else:
+        given = consumer
+
+        def consume() -> Consumer:
+            return given
+
+    return ReceiverParts(
+        consumer=consume,
+        writer=functools.partial(InboxWriter, settings.database_url, settings.schema),
+        stage=functools.partial(Inbound, settings.claim_check),
+        consumer_name=settings.consumer_name,
+        batch_size=settings.batch_size,
+    )
 
 
 def inbox_service(
@@ -226,10 +341,11 @@ def inbox_service(
             pace.stored(new)
             wake_dispatcher()
 
+    parts = receiver_parts(settings, consumer)
     receiver = (
-        ReceiverProcess(settings, pace, stored)
+        ReceiverProcess(parts, pace, stored)
         if receiver_process
-        else LocalReceiver(settings, pace, stored, consumer)
+        else LocalReceiver(parts, pace, stored)
     )
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
@@ -241,7 +357,7 @@ def inbox_service(
                 dispatch_store := Store(
                     settings.database_url, pool_size=2, sync=all_sync, schema=settings.schema
                 ),
-                Dispatcher(
+                inbox_dispatcher(
                     settings,
                     dispatch_store,
                     registry,

@@ -26,6 +26,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
+from tests.waits import wait_while_progressing
+
 PG_HOST = os.environ.get("RELAY_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("RELAY_TEST_PG_PORT", "5432"))
 PG_USER = os.environ.get("RELAY_TEST_PG_USER", "postgres")
@@ -290,13 +292,26 @@ class RelayProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_for_log(self, text: str, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"relay exited {self.proc.returncode}:\n{self.log}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{text!r} not logged in {timeout}s:\n{self.log}")
-            time.sleep(0.05)
+        """Until the process has logged `text`; `timeout` is how long it may
+        go without progress (wait_while_progressing): a daemon starting on a
+        busy machine takes longer, using CPU and logging on the way."""
+        wait_while_progressing(
+            lambda: text in self.log,
+            self.proc,
+            quiet=timeout,
+            what=f"{text!r} logged",
+            log=lambda: self.log,
+        )
+
+    def wait_until_logged(self, text: str, count: int = 1, timeout: float = 15.0) -> None:
+        """wait_for_log until `text` has been logged `count` times."""
+        wait_while_progressing(
+            lambda: self.log.count(text) >= count,
+            self.proc,
+            quiet=timeout,
+            what=f"{text!r} logged {count} times",
+            log=lambda: self.log,
+        )
 
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)

@@ -5,16 +5,18 @@ it is started with `-u postgres` (or nobody), which reads the files."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psycopg
+
+from tests.waits import wait_while_progressing
 
 
 def _free_port() -> int:
@@ -52,11 +54,15 @@ class PgBouncer:
                 command[1:1] = ["-u", _unprivileged_user()]
             self.log = open(self.dir / "pgbouncer.log", "ab")  # noqa: SIM115 - closed in stop()
             self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 15
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                if self._answers():
-                    return
-                time.sleep(0.05)
+            with contextlib.suppress(AssertionError):  # exited (a port race) or stuck
+                wait_while_progressing(
+                    self._answers,
+                    self.proc,
+                    quiet=15,
+                    what="pgbouncer answering",
+                    log=self.read_log,
+                )
+                return
             self._terminate()
             self.port = _free_port()
         log = self.read_log()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.moto_main import MOTO_MAIN
+from tests.waits import wait_while_progressing
 
 MOTO_SERVER = Path(sys.executable).parent / "moto_server"
 REGION = "us-east-1"
@@ -53,15 +53,17 @@ def sqs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def answers() -> bool:
             try:
                 with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
-                    break
+                    return True
             except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on port {port}") from None
-                time.sleep(0.1)
+                return False
+
+        wait_while_progressing(
+            answers, proc, quiet=30, what=f"moto_server answering on port {port}"
+        )
         yield endpoint
     finally:
         proc.terminate()

@@ -2,20 +2,26 @@
 
 The outbox loop sees a Publisher; the inbox loop sees a Consumer. Neither
 knows which broker is behind it: RabbitMQ (`amqp.py`) and SQS (`sqs.py`)
-each implement both.
+each implement both. KINDS is the factory's table, from a URL's kind
+(relay.config.BrokerURL.kind) to its adapter's module and what the layers
+above need to know of that broker; a new broker is its adapter module and
+one line there. Nothing here, nor in an adapter, imports a module above the
+brokers (the claim check, wiring, the loops): wiring wraps what the factory
+makes.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 import re
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 
-from relay.config import DEFAULT_CLAIM_CHECK_OVER, BrokerURL, ClaimCheckURL
+from relay.config import BrokerURL
 from relay.errors import BadMessage
 from relay.limits import MAX_JSON_DEPTH, json_depth
 from relay.rows import Failure, OutboxRow
@@ -159,34 +165,64 @@ def check_topic(row: OutboxRow) -> None:
         raise BadMessage("topic is empty")
 
 
+class Adapter(Protocol):
+    """What an adapter module (relay/brokers/<kind>.py) offers the factory."""
+
+    def publisher(
+        self, broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str
+    ) -> Publisher: ...
+
+    def consumer(
+        self,
+        broker: BrokerURL,
+        *,
+        queue: str,
+        exchange: str,
+        binds: Sequence[str],
+        prefetch: int,
+        queue_type: str | None,
+        queue_args: Sequence[tuple[str, str | int]],
+    ) -> Consumer: ...
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One broker kind as the layers above the brokers see it."""
+
+    module: str  # the adapter, imported only when used (a process loads aio-pika or boto3)
+    system: str  # OpenTelemetry's messaging.system
+    # The publisher's topic names the queue a consumer reads (SQS): no
+    # exchange, no bindings. Else the topic is routed by an exchange.
+    topic_is_queue: bool
+
+
+# The factory's table: URL kind -> adapter. A new broker adds its line here,
+# its module beside this one, and its URL to relay.config.BrokerURL.
+KINDS: dict[str, Kind] = {
+    "amqp": Kind("relay.brokers.amqp", system="rabbitmq", topic_is_queue=False),
+    "sqs": Kind("relay.brokers.sqs", system="aws_sqs", topic_is_queue=True),
+}
+
+
+def kind_of(broker: BrokerURL) -> Kind:
+    return KINDS[broker.kind]
+
+
+def _adapter(broker: BrokerURL) -> Adapter:
+    return cast(Adapter, importlib.import_module(kind_of(broker).module))
+
+
 def make_publisher(
     broker: BrokerURL,
     *,
     exchange: str,
     workers: int,
     on_unroutable: str = "publish",
-    claim_check: ClaimCheckURL | None = None,
-    claim_check_over: int = DEFAULT_CLAIM_CHECK_OVER,
-    on_claim_check: Callable[[int, int], None] | None = None,
 ) -> Publisher:
-    """The publisher for `broker`, shared by `workers` outbox workers; with
-    `claim_check`, behind relay.s3's claim check (large bodies go to S3)."""
-    publisher: Publisher
-    if broker.kind == "amqp":
-        from relay.brokers.amqp import AmqpPublisher
-
-        publisher = AmqpPublisher(
-            broker.nodes or broker.url, exchange=exchange, on_unroutable=on_unroutable
-        )
-    else:
-        from relay.brokers.sqs import SqsPublisher
-
-        publisher = SqsPublisher(broker, workers=workers)
-    if claim_check is None:
-        return publisher
-    from relay.s3 import ClaimCheckPublisher  # boto3, only when asked for
-
-    return ClaimCheckPublisher(publisher, claim_check, claim_check_over, on_claim_check)
+    """The publisher for `broker`, shared by `workers` outbox workers."""
+    return _adapter(broker).publisher(
+        broker, exchange=exchange, workers=workers, on_unroutable=on_unroutable
+    )
 
 
 def make_consumer(
@@ -199,18 +235,13 @@ def make_consumer(
     queue_type: str | None = None,
     queue_args: Sequence[tuple[str, str | int]] = (),
 ) -> Consumer:
-    if broker.kind == "amqp":
-        from relay.brokers.amqp import AmqpConsumer
-
-        return AmqpConsumer(
-            broker.nodes or broker.url,
-            queue=queue,
-            exchange=exchange,
-            binds=binds,
-            prefetch=prefetch,
-            queue_type=queue_type,
-            queue_args=queue_args,
-        )
-    from relay.brokers.sqs import SqsConsumer
-
-    return SqsConsumer(broker, queue=queue)
+    """The consumer of `queue` on `broker`."""
+    return _adapter(broker).consumer(
+        broker,
+        queue=queue,
+        exchange=exchange,
+        binds=binds,
+        prefetch=prefetch,
+        queue_type=queue_type,
+        queue_args=queue_args,
+    )

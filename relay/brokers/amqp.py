@@ -44,7 +44,7 @@ from relay.brokers import (
 )
 from relay.brokers.aiormq_internals import ConfirmFrame, Returning
 from relay.brokers.amqp_wire import publish_frames, shortstr
-from relay.config import redact_url
+from relay.config import BrokerURL, redact_url
 from relay.errors import BadMessage, BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
 
@@ -835,3 +835,33 @@ class AmqpConsumer(_Client):
             # inbox will count them as duplicates.
             await self.close()
             raise _unavailable(exc, self.url) from exc
+
+
+# The factory's entry points (relay.brokers.KINDS).
+
+
+def publisher(
+    broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str
+) -> AmqpPublisher:
+    return AmqpPublisher(broker.nodes or broker.url, exchange=exchange, on_unroutable=on_unroutable)
+
+
+def consumer(
+    broker: BrokerURL,
+    *,
+    queue: str,
+    exchange: str,
+    binds: Sequence[str],
+    prefetch: int,
+    queue_type: str | None,
+    queue_args: Sequence[tuple[str, str | int]],
+) -> AmqpConsumer:
+    return AmqpConsumer(
+        broker.nodes or broker.url,
+        queue=queue,
+        exchange=exchange,
+        binds=binds,
+        prefetch=prefetch,
+        queue_type=queue_type,
+        queue_args=queue_args,
+    )

@@ -859,3 +859,26 @@ class SqsConsumer(_Adapter):
                         len(failed),
                         self.queue,
                     )
+
+
+# The factory's entry points (relay.brokers.KINDS). An SQS queue has no
+# exchange, bindings or queue arguments (relay.config refuses them).
+
+
+def publisher(
+    broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str
+) -> SqsPublisher:
+    return SqsPublisher(broker, workers=workers)
+
+
+def consumer(
+    broker: BrokerURL,
+    *,
+    queue: str,
+    exchange: str,
+    binds: Sequence[str],
+    prefetch: int,
+    queue_type: str | None,
+    queue_args: Sequence[tuple[str, str | int]],
+) -> SqsConsumer:
+    return SqsConsumer(broker, queue=queue)

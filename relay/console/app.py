@@ -46,7 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from relay import audit, replay
 from relay.api import sources_status
 from relay.audit import Actor
-from relay.claimcheck import fetch_from
+from relay.claimcheck.retry import fetch_from
 from relay.config import ClaimCheckURL, Source, labelled, parse_duration, redact_url
 from relay.console import operators as operators_module
 from relay.console import overview as overview_module
@@ -284,7 +284,7 @@ class Console:
         )
         self._objects = None
         if settings.claim_check is not None:
-            from relay.s3 import ObjectStore
+            from relay.claimcheck.s3 import ObjectStore
 
             self._objects = ObjectStore(settings.claim_check)
         # Each source's pool is opened when a page first asks for it: a

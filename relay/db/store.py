@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -22,7 +22,6 @@ import sqlalchemy as sa
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from relay.claimcheck import Fetch, read_pointer, where, without_size
 from relay.config import redact_url
 from relay.db import connect as pg
 from relay.db import namespace, schema
@@ -32,7 +31,6 @@ from relay.db.sql import claim, query
 from relay.errors import DatabaseUnavailable
 from relay.limits import clean_error
 from relay.rows import Failure, InboxRow
-from relay.storable import json_body
 
 log = logging.getLogger(__name__)
 
@@ -575,6 +573,12 @@ class Store:
         return getattr(info, "backend_pid", None)
 
 
+# A retried inbox row that looks like a claim check pointer (payload,
+# headers as JSON texts) -> None (leave it), its (payload, headers) once its
+# object is fetched, or why it could not be (relay.claimcheck.retry.Restore).
+Restore = Callable[[str | None, str], Awaitable[tuple[str, str] | str | None]]
+
+
 async def retry_in(
     conn: AsyncConnection,
     table: str,
@@ -582,53 +586,42 @@ async def retry_in(
     ids: Sequence[str],
     all_dead: bool,
     consumer: str | None = None,
-    fetch: Fetch | None = None,
+    restore: Restore | None = None,
 ) -> int:
     """The retry of `relay retry` in the caller's transaction: dead (or the
     given) rows back to pending with attempts reset, then a wake-up for the
     daemons; returns how many rows. Inbox rows kept as claim check pointers
-    get their object's bytes first (through `fetch`, relay.s3.fetch_object);
-    one that still cannot be read stays dead, with why in last_error."""
+    get their object's bytes first (through `restore`,
+    relay.claimcheck.retry.Restore); one that still cannot be read stays
+    dead, with why in last_error."""
     params: dict[str, Any] = {"ids": list(ids), "all_dead": all_dead}
     if table == "inbox":
         params["consumer"] = consumer
-        await _fetch_claim_checks(conn, params, fetch)
+        if restore is not None:
+            await _restore_claim_checks(conn, params, restore)
     result = await conn.execute(named(f"retry_{table}"), params)
     await conn.execute(named("notify_wake"), {"channel": f"relay_{table}", "table": table})
     return result.rowcount
 
 
-async def _fetch_claim_checks(
-    conn: AsyncConnection, params: dict[str, Any], fetch: Fetch | None
+async def _restore_claim_checks(
+    conn: AsyncConnection, params: dict[str, Any], restore: Restore
 ) -> None:
     """Replace the pointer of each claim checked row about to be retried
-    with its object's bytes (relay.claimcheck); note why in last_error
-    where that cannot be done (the retry then leaves that row dead)."""
+    with its object's bytes (`restore`); note why in last_error where that
+    cannot be done (the retry then leaves that row dead)."""
     rows = (await conn.execute(named("inbox_claim_checks"), params)).all()
     for consumer, message_id, payload, headers in rows:
-        pointer = read_pointer(payload)
         where_ = {"consumer": consumer, "message_id": message_id}
-        if pointer is None:  # pointer-shaped in SQL, not by relay's reading: leave it
+        restored = await restore(payload, headers)
+        if restored is None:
             continue
-        data: bytes | str = (
-            await fetch(*pointer) if fetch is not None else "no --claim-check is configured"
-        )
-        problem = data if isinstance(data, str) else None
-        if isinstance(data, bytes):
-            text, problem = json_body(data)
-            if text is not None:
-                await conn.execute(
-                    named("inbox_claim_check_fetched"),
-                    {
-                        **where_,
-                        "payload": text,
-                        "headers": orjson.dumps(without_size(orjson.loads(headers))).decode(),
-                    },
-                )
-                continue
-        error = (
-            f"not retried: the message is a claim check pointer to {where(*pointer)}, "
-            f"whose object could not be read: {problem}"
-        )
-        log.warning("%s (message_id %r)", error, message_id)
-        await conn.execute(named("inbox_claim_check_unfetched"), {**where_, "error": error})
+        if isinstance(restored, tuple):
+            text, new_headers = restored
+            await conn.execute(
+                named("inbox_claim_check_fetched"),
+                {**where_, "payload": text, "headers": new_headers},
+            )
+            continue
+        log.warning("%s (message_id %r)", restored, message_id)
+        await conn.execute(named("inbox_claim_check_unfetched"), {**where_, "error": restored})

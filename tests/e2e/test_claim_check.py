@@ -27,7 +27,8 @@ import sqlalchemy as sa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.claimcheck import parts, pointer_body, read_pointer, resolve
+from relay.claimcheck import pointer_body, read_pointer
+from relay.claimcheck.inbound import parts, resolve
 from relay.config import ClaimCheckURL, parse_size
 from relay.errors import ConfigError
 from tests.conftest import (
@@ -511,6 +512,9 @@ def test_s3_away_for_a_while_is_retried_and_nothing_dies(
             str(port := free_port()),
             env=env_for(sqs),
         )
+        # Up (its HTTP server serves before it connects), and has met S3 away;
+        # then a while for anything it should not do.
+        proc.wait_for_log("retrying in")
         time.sleep(4)
         # Nothing was published (the key waits behind its first row), no attempt counted.
         assert [(s, a) for _, s, a, _ in outbox_status(engine)] == [("pending", 0)] * 3

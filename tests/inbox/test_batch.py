@@ -27,9 +27,9 @@ from relay import batches
 from relay.config import InboxSettings
 from relay.db import Store
 from relay.errors import ConfigError
-from relay.inbox import Dispatcher
 from relay.metrics import InboxMetrics
 from relay.testing import handle_batch, handle_batch_async, message
+from relay.wiring import inbox_dispatcher
 from tests.conftest import effect_ids, inbox_rows, rows, wait_until
 from tests.inbox.test_loop import QUEUE, LoopInbox, state_of
 
@@ -105,7 +105,7 @@ async def dispatch_once(
     metrics = InboxMetrics()
     dispatch_store = Store(database, sync=sync)
     try:
-        await Dispatcher(config, dispatch_store, registry, metrics).dispatch_batch()
+        await inbox_dispatcher(config, dispatch_store, registry, metrics).dispatch_batch()
     finally:
         await dispatch_store.close()
     return metrics

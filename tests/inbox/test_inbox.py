@@ -33,6 +33,7 @@ from tests.conftest import (
     rows,
     wait_until,
 )
+from tests.waits import wait_while_progressing
 
 
 async def publish(rabbit, routing_key="orders.placed", body=b'{"n": 1}', **props):
@@ -266,8 +267,12 @@ async def test_handlers_module_is_found_in_the_working_directory(
             cwd=tmp_path,
         )
     try:
-        wait_until(
-            lambda: "inbox started" in log.read_text() or proc.poll() is not None, timeout=30
+        wait_while_progressing(
+            lambda: "inbox started" in log.read_text(),
+            proc,
+            quiet=30,
+            what="'inbox started' logged",
+            log=log.read_text,
         )
         assert proc.poll() is None, log.read_text()
         await rabbit.publish("t", b"{}", message_id="cwd-1", type="CwdEffect")

@@ -27,10 +27,10 @@ import relay
 from relay.brokers.memory import MemoryBroker
 from relay.config import InboxSettings
 from relay.db import Store
-from relay.inbox import DISPATCHERS, Dispatcher
+from relay.inbox import DISPATCHERS
 from relay.lifecycle import EXIT_OK, Daemon
 from relay.metrics import InboxMetrics
-from relay.wiring import inbox_service
+from relay.wiring import inbox_dispatcher, inbox_service
 from tests.apps.handlers import mixed_registry
 from tests.apps.handlers import registry as sync_registry
 from tests.conftest import effect_ids, inbox_rows, keys_by_share, rows, until
@@ -337,7 +337,7 @@ async def one_batch(
     metrics = InboxMetrics()
     store = Store(database, sync=sync)
     try:
-        dispatcher = Dispatcher(settings, store, recording_registry(ran), metrics)
+        dispatcher = inbox_dispatcher(settings, store, recording_registry(ran), metrics)
         await dispatcher.dispatch_batch()
     finally:
         await store.close()

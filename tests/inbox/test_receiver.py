@@ -16,10 +16,10 @@ import pytest
 
 from relay.brokers import Incoming
 from relay.brokers.memory import MemoryBroker, MemoryConsumer
-from relay.config import BrokerURL, InboxSettings
+from relay.claimcheck.inbound import Inbound
 from relay.db.writer import InboxWriter
 from relay.receiving import Receiver
-from tests.conftest import AMQP_URL, rows
+from tests.conftest import rows
 
 
 class Open:
@@ -43,15 +43,14 @@ class Receiving:
         self.consumer = self.broker.consumer("in")
         self.writer = InboxWriter(database)
         self.reports: list[tuple[int, int, int, int, int]] = []
-        settings = InboxSettings(
-            database_url=database, broker=BrokerURL.parse(AMQP_URL), queue="in", batch_size=10
-        )
         self.receiver = Receiver(
-            settings,
             self.writer,
             self.consumer,
             Open(),
             lambda *report: self.reports.append(report),
+            consumer_name="in",
+            batch_size=10,
+            stage=Inbound(None),
         )
         self.task: asyncio.Task[None] | None = None
 

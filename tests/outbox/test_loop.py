@@ -24,7 +24,8 @@ from relay.brokers.memory import MemoryBroker
 from relay.config import BrokerURL, OutboxSettings
 from relay.db import NOTIFY_OUTBOX, Listener, OutboxSession, Store
 from relay.db.session import SHARE_LOCK_CLASS, share_key
-from relay.outbox import WORKERS, OutboxRelay
+from relay.outbox import WORKERS
+from relay.wiring import outbox_relay
 from tests.conftest import AMQP_URL, insert_outbox, keys_by_share, rows, until
 
 
@@ -65,7 +66,7 @@ class LoopRelay:
         self.store = Store(database)
         self._record_claims(monkeypatch)
         self.publisher = self.broker.publisher(on_unroutable=on_unroutable)
-        self.relay = OutboxRelay(config, self.store, self.publisher)
+        self.relay = outbox_relay(config, self.store, self.publisher)
         self.listener = Listener(self.store.conninfo, NOTIFY_OUTBOX, self.relay.wake)
         self.tasks: list[asyncio.Task[None]] = []
 

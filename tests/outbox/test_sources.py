@@ -194,7 +194,7 @@ async def test_two_databases_by_two_schemas_drained_by_one_process(
         "t2",
     )
     relay.wait_for_log("outbox of 4 sources started", timeout=30)
-    wait_until(lambda: relay.log.count("outbox relay started") == 4, timeout=30)
+    relay.wait_until_logged("outbox relay started", 4, timeout=30)
     time.sleep(1)  # every listener has made its first look
     for url in databases:
         for schema in SCHEMAS:
@@ -236,7 +236,7 @@ async def test_a_backlog_in_one_source_does_not_hold_up_another(databases, rabbi
     relay = start_relay(
         *outbox_args(rabbit), "--database-url", busy, "--database-url", quiet, "--schema", "t1"
     )
-    wait_until(lambda: relay.log.count("outbox relay started") == 2, timeout=30)
+    relay.wait_until_logged("outbox relay started", 2, timeout=30)
     wait_until(lambda: pending(busy, "t1") < 39_000, timeout=20, message="the backlog drains")
     insert(quiet, "t1", "fresh")
     started = time.monotonic()
@@ -421,7 +421,7 @@ async def test_a_delayed_row_goes_out_within_a_poll_of_falling_due(databases, ra
     queue = await rabbit.queue("#")
     url = databases[0]
     relay = start_relay(*outbox_args(rabbit, "--poll-interval", "0.5"), *both_schemas(url))
-    wait_until(lambda: relay.log.count("outbox relay started") == 2, timeout=30)
+    relay.wait_until_logged("outbox relay started", 2, timeout=30)
     engine = sa.create_engine(url)
     try:
         rows(
