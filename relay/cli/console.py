@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from relay.cli.base import (
+    Duration,
     build,
     claim_check_option,
     claim_check_url,
@@ -49,6 +50,37 @@ from relay.cli.base import (
     help="named operators, one a line: NAME ROLE SHA256-HEX-OF-TOKEN, ROLE viewer "
     "(read only) or operator (every action); `#` starts a comment",
 )
+@option(
+    "--console-secret-file",
+    "secret_file",
+    default=None,
+    metavar="FILE",
+    help="the key that signs the console's sessions (at least 32 bytes; a file of its own, "
+    "never the tokens file) [default: made at start; a restart ends every session]",
+)
+@option(
+    "--console-session-idle",
+    "session_idle",
+    type=Duration(),
+    default="30m",
+    show_default=True,
+    help="a session unused this long ends (90s, 30m, 12h or seconds)",
+)
+@option(
+    "--console-session-max",
+    "session_lifetime",
+    type=Duration(),
+    default="12h",
+    show_default=True,
+    help="a session ends this long after sign-in, used or not",
+)
+@option(
+    "--console-trust-proxy",
+    "trust_proxy",
+    is_flag=True,
+    help="a proxy in front terminates TLS: believe its X-Forwarded-Proto (https marks "
+    "the session cookie Secure)",
+)
 @claim_check_option
 def console(claim_check: str | None, **kwargs: Any) -> None:
     """Serve the operator's web console: overview, dead messages, retry, edit,
@@ -71,5 +103,9 @@ def console(claim_check: str | None, **kwargs: Any) -> None:
         token=token,
         claim_check=claim_check_url(claim_check),
         tokens_file=tokens_file,
+        secret_file=kwargs["secret_file"] or None,
+        session_idle=kwargs["session_idle"],
+        session_lifetime=kwargs["session_lifetime"],
+        trust_proxy=kwargs["trust_proxy"],
     )
     sys.exit(run_coro(serve(settings)))

@@ -29,7 +29,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from relay.console.guard import SecurityHeaders
+from relay.console.guard import Guarded
 from relay.console.pages import actions, audit, dead, keys, message, overview, replay, signin
 from relay.console.settings import ConsoleSettings
 from relay.console.site import HERE, Site, UnknownSource
@@ -98,7 +98,7 @@ def create_app(settings: ConsoleSettings) -> ASGIApp:
             UnknownSource: unknown,
         },
     )
-    return SecurityHeaders(app)
+    return Guarded(app, site.guard)
 
 
 async def serve(settings: ConsoleSettings) -> int:
@@ -121,6 +121,8 @@ async def serve(settings: ConsoleSettings) -> int:
         log_config=None,
         log_level="warning",
         access_log=False,
+        # X-Forwarded-Proto is believed only with --console-trust-proxy (relay.console.guard)
+        proxy_headers=False,
         lifespan="on",
     )
 

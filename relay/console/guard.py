@@ -2,12 +2,16 @@
 
 - Without RELAY_CONSOLE_TOKEN or --console-tokens the console is read only:
   every action answers 403. With them, a person signs in with their token
-  (kept as an HttpOnly, SameSite=Strict cookie holding their name and an
-  HMAC keyed by the token's hash, never the token) or a client sends
-  `Authorization: Bearer TOKEN`; a `viewer` reads only, an `operator` may
-  act (relay.console.operators).
+  or a client sends `Authorization: Bearer TOKEN`; a `viewer` reads only,
+  an `operator` may act (relay.console.operators, whose Roster reads the
+  tokens file again when it changes).
+- A signed-in browser holds a session cookie (relay.console.sessions:
+  signed by a key the tokens file does not hold, ended by time, by a new
+  token or by signing out), HttpOnly, SameSite=Strict, and Secure when the
+  request came over https (itself, or by a proxy's X-Forwarded-Proto when
+  told to trust it); each page renews it.
 - Actions are POSTs only, and a cookie-signed POST must carry the form's
-  CSRF field (an HMAC of the token) and come from this origin (Origin or
+  CSRF field (bound to the session) and come from this origin (Origin or
   Referer, when the browser sends them).
 - Every response carries SECURITY_HEADERS: the pages load nothing from
   elsewhere (one stylesheet of its own, no JavaScript).
@@ -15,17 +19,20 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
+import logging
 import urllib.parse
-from typing import Any
 
-from starlette.datastructures import FormData
+from starlette.datastructures import FormData, Headers
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from relay.console import operators as operators_module
-from relay.console.operators import Operator
+from relay.console.operators import Operator, Roster
+from relay.console.sessions import Expired, Session, Sessions
+
+log = logging.getLogger("relay.console")
 
 COOKIE = "relay_console"
 READ_ONLY = (
@@ -46,39 +53,48 @@ SECURITY_HEADERS = {
 
 
 class Guard:
-    """Who may change things: the operators, their session cookies and CSRF fields."""
+    """Who may change things: the operators, their sessions and CSRF fields."""
 
-    def __init__(self, operators: tuple[Operator, ...]) -> None:
-        self.operators = operators
-        self.by_name = {op.name: op for op in operators}
-
-    @staticmethod
-    def _mac(op: Operator, purpose: str) -> str:
-        # Keyed by the token's hash, which only the server holds: a cookie or
-        # CSRF field cannot be made without it, and a new token ends them.
-        return hmac.new(
-            op.digest.encode(), f"relay-console:{purpose}:{op.name}".encode(), hashlib.sha256
-        ).hexdigest()
+    def __init__(self, roster: Roster, sessions: Sessions, *, trust_proxy: bool = False) -> None:
+        self.roster = roster
+        self.sessions = sessions
+        self.trust_proxy = trust_proxy
 
     @property
     def writable(self) -> bool:
         """Someone may sign in (whether they may act depends on their role)."""
-        return bool(self.operators)
-
-    def session_value(self, op: Operator) -> str:
-        return urllib.parse.quote(op.name, safe="") + "." + self._mac(op, "session")
-
-    def csrf(self, op: Operator | None) -> str:
-        return self._mac(op, "csrf") if op is not None else ""
+        return self.roster.path is not None or self.roster.token is not None
 
     def find(self, token: str) -> Operator | None:
-        return operators_module.find(self.operators, token) if token else None
+        operators = self.roster.current().operators
+        return operators_module.find(operators, token) if token else None
 
     def bearer(self, request: Request) -> Operator | None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
             return None
         return self.find(given.strip())
+
+    def signed(self, request: Request) -> tuple[Session, Operator] | None:
+        """The session this request's cookie holds and its person, if it is
+        one of ours and not over (read once a request)."""
+        state = request.scope.setdefault("state", {})
+        if _SIGNED in state:
+            known: tuple[Session, Operator] | None = state[_SIGNED]
+            return known
+        value = request.cookies.get(COOKIE)
+        found = None
+        if value:
+            try:
+                found = self.sessions.read(value, self.roster.current().by_name)
+            except Expired as exc:
+                log.info("console: a session ended: %s", exc)
+            else:
+                if found is None:
+                    log.warning("console: refused a session cookie it did not make")
+            state[_DROP] = found is None
+        state[_SIGNED] = found
+        return found
 
     def who(self, request: Request) -> Operator | None:
         """The operator this request comes from (bearer token or session cookie)."""
@@ -87,11 +103,13 @@ class Guard:
         op = self.bearer(request)
         if op is not None:
             return op
-        quoted, _, mac = request.cookies.get(COOKIE, "").rpartition(".")
-        op = self.by_name.get(urllib.parse.unquote(quoted))
-        if op is None or not hmac.compare_digest(mac.encode(), self._mac(op, "session").encode()):
-            return None
-        return op
+        signed = self.signed(request)
+        return signed[1] if signed is not None else None
+
+    def csrf(self, request: Request) -> str:
+        """The CSRF field for the forms of this request's session ('' without one)."""
+        signed = self.signed(request) if self.writable else None
+        return self.sessions.csrf(signed[0]) if signed is not None else ""
 
     def refusal(self, request: Request, form: FormData) -> tuple[str | None, Operator | None]:
         """Why this POST may not change anything (None when it may), and who sent it."""
@@ -109,7 +127,7 @@ class Guard:
             return self._viewer(op), op
         given = form.get("csrf")
         if not isinstance(given, str) or not hmac.compare_digest(
-            given.encode(), self.csrf(op).encode()
+            given.encode(), self.csrf(request).encode()
         ):
             return "Refused: the form's CSRF field is missing or wrong; reload the page.", op
         return None, op
@@ -117,6 +135,58 @@ class Guard:
     @staticmethod
     def _viewer(op: Operator) -> str:
         return f"Refused: {op.name} is a viewer, who may only read."
+
+    def secure(self, scope: Scope) -> bool:
+        """The request came over https: to this server, or (trusted) to a proxy."""
+        if scope.get("scheme") == "https":
+            return True
+        if not self.trust_proxy:
+            return False
+        said = Headers(scope=scope).get("x-forwarded-proto", "")
+        # the first proxy's word: the scheme the browser used
+        return said.split(",")[0].strip().lower() == "https"
+
+    def sign_in(self, request: Request, op: Operator, response: Response) -> None:
+        session = self.sessions.begin(op)
+        self._set(response, request.scope, session, op)
+
+    def sign_out(self, request: Request, response: Response) -> None:
+        signed = self.signed(request)
+        if signed is not None:
+            self.sessions.end(signed[0])
+        response.delete_cookie(
+            COOKIE, path="/", httponly=True, samesite="strict", secure=self.secure(request.scope)
+        )
+
+    def _set(self, response: Response, scope: Scope, session: Session, op: Operator) -> None:
+        response.set_cookie(
+            COOKIE,
+            self.sessions.cookie(session, op),
+            max_age=self.sessions.max_age(session),
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=self.secure(scope),
+        )
+
+    def renewal(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """The Set-Cookie a response carries: the session renewed (a new
+        last-used time), or the cookie dropped when it was refused."""
+        state = scope.get("state", {})
+        signed = state.get(_SIGNED)
+        response = Response()
+        if signed is not None:
+            session, op = signed
+            self._set(response, scope, self.sessions.renewed(session), op)
+        elif state.get(_DROP):
+            response.delete_cookie(
+                COOKIE, path="/", httponly=True, samesite="strict", secure=self.secure(scope)
+            )
+        return [(k, v) for k, v in response.raw_headers if k == b"set-cookie"]
+
+
+_SIGNED = "relay_console_signed"
+_DROP = "relay_console_drop"
 
 
 def same_origin(request: Request) -> bool:
@@ -131,18 +201,34 @@ def same_origin(request: Request) -> bool:
     return request.headers.get("sec-fetch-site", "same-origin") in ("same-origin", "none")
 
 
-class SecurityHeaders:
-    def __init__(self, app: ASGIApp) -> None:
+class Guarded:
+    """Around the whole app: the security headers on every response, and the
+    session cookie renewed (or dropped) unless the response sets it itself."""
+
+    def __init__(self, app: ASGIApp, guard: Guard) -> None:
         self.app = app
+        self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def with_headers(message: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def guarded(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = message.setdefault("headers", [])
                 present = {k.lower() for k, _ in headers}
                 for name, value in SECURITY_HEADERS.items():
                     if name.encode() not in present:
                         headers.append((name.encode(), value.encode()))
+                if not any(_sets_cookie(k, v) for k, v in headers):
+                    headers.extend(self.guard.renewal(scope))
             await send(message)
 
-        await self.app(scope, receive, with_headers)
+        await self.app(scope, receive, guarded)
+
+
+def _sets_cookie(name: bytes, value: bytes) -> bool:
+    if name.lower() != b"set-cookie":
+        return False
+    return value.partition(b"=")[0].strip() == COOKIE.encode()

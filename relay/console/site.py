@@ -17,6 +17,8 @@ from relay.claimcheck import fetch_from
 from relay.config import Source, labelled
 from relay.console import overview as overview_module
 from relay.console.guard import Guard
+from relay.console.operators import Roster
+from relay.console.sessions import Sessions
 from relay.console.settings import ConsoleSettings
 from relay.console.views import age, entry_what, pretty_json
 from relay.db import Store
@@ -58,7 +60,11 @@ class Place:
 class Site:
     def __init__(self, settings: ConsoleSettings, store: Store | None = None) -> None:
         self.settings = settings
-        self.guard = Guard(settings.operators)
+        self.guard = Guard(
+            Roster(settings.tokens_file, settings.token, settings.operators),
+            Sessions(settings.key, idle=settings.session_idle, lifetime=settings.session_lifetime),
+            trust_proxy=settings.trust_proxy,
+        )
         self.several = bool(settings.sources)
         self.sources = labelled(
             settings.sources or (Source(settings.database_url, settings.schema),)
@@ -137,7 +143,7 @@ class Site:
             who=who,
             # signed in with the right to act: the pages show their actions
             signed_in=who is not None and who.may_act,
-            csrf=self.guard.csrf(who) if who is not None and who.may_act else "",
+            csrf=self.guard.csrf(request) if who is not None and who.may_act else "",
         )
         return HTMLResponse(self.env.get_template(name).render(**context), status_code=status)
 

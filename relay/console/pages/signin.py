@@ -7,7 +7,7 @@ import logging
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from relay.console.guard import COOKIE, READ_ONLY, same_origin
+from relay.console.guard import READ_ONLY, same_origin
 from relay.console.site import Site
 
 log = logging.getLogger("relay.console")
@@ -37,13 +37,11 @@ async def login(site: Site, request: Request) -> Response:
         else "/"
     )
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(
-        COOKIE, site.guard.session_value(op), httponly=True, samesite="strict", path="/"
-    )
+    site.guard.sign_in(request, op, response)
     return response
 
 
 async def logout(site: Site, request: Request) -> Response:
     response = RedirectResponse("/", status_code=303)
-    response.delete_cookie(COOKIE, path="/")
+    site.guard.sign_out(request, response)
     return response
