@@ -29,6 +29,9 @@ from dataclasses import dataclass, replace
 from relay.console.operators import Operator
 
 VERSION = "v1"
+# Ours are about 160 characters and the name; one longer than a browser
+# keeps (4 KiB) is not ours, and is not parsed.
+MAX_COOKIE = 4096
 
 
 @dataclass(frozen=True)
@@ -109,11 +112,11 @@ class Sessions:
         Expired when it verifies but is over."""
         version, _, rest = value.partition(".")
         payload, _, mac = rest.partition(".")
-        if version != VERSION or not payload or not mac:
+        if version != VERSION or not payload or not mac or len(value) > MAX_COOKIE:
             return None
         try:
             name, began, used, nonce = json.loads(_unb64(payload))
-        except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        except (ValueError, TypeError, binascii.Error, UnicodeDecodeError, RecursionError):
             return None
         if not (
             isinstance(name, str)

@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from relay.console.guard import COOKIE
 from relay.console.operators import Operator
@@ -482,3 +484,23 @@ def test_a_cookie_changed_anywhere_does_not_verify():
         assert s.read(changed, team) is None
     assert s.read(cookie, team) is not None
     assert sessions(clock).read(cookie, team) is None  # another key
+
+
+@given(
+    st.one_of(
+        st.text(),
+        st.text().map(lambda t: "v1." + t),
+        st.binary().map(lambda b: "v1." + base64.urlsafe_b64encode(b).decode() + ".x"),
+        st.recursive(st.integers() | st.text(), lambda c: st.lists(c, max_size=4)).map(
+            lambda v: "v1." + base64.urlsafe_b64encode(json.dumps(v).encode()).decode() + ".x"
+        ),
+    )
+)
+def test_any_cookie_not_made_by_the_console_reads_as_none(value):
+    s = sessions(Clock())
+    assert s.read(value, {"alice": ALICE_OP}) is None
+
+
+def test_a_deeply_nested_payload_is_refused_without_parsing():
+    deep = base64.urlsafe_b64encode(b"[" * 100_000 + b"]" * 100_000).decode()
+    assert sessions(Clock()).read(f"v1.{deep}.x", {"alice": ALICE_OP}) is None
