@@ -4,7 +4,7 @@ Every write action (retry, edit, discard, replay) records one row of
 `relay_audit` in the action's own transaction, so an action and its record
 commit or roll back together; the console also records the actions it
 refused. The CLI's actor is the OS user or `--as NAME`; the console's is
-the operator's name from --console-tokens (relay.console.app).
+the operator's name from --console-tokens (relay.console.guard).
 """
 
 from __future__ import annotations

@@ -4,19 +4,23 @@
 ROLE `viewer` (reads only) or `operator` (every action), the token kept as
 the hex SHA-256 of its text, never in clear; `#` starts a comment.
 RELAY_CONSOLE_TOKEN alone is one operator named `operator`. A file that
-cannot be read as such is bad configuration (relay.errors.ConfigError, one
-line).
+cannot be read as such is bad configuration at start (relay.errors.ConfigError,
+one line); the console reads it again when it changes (Roster).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from relay.errors import ConfigError
+
+log = logging.getLogger("relay.console")
 
 ROLES = ("viewer", "operator")
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
@@ -105,3 +109,49 @@ def find(operators: Iterable[Operator], token: str) -> Operator | None:
         if hmac.compare_digest(given, op.digest):
             match = op
     return match
+
+
+class Roster:
+    """The operators as the tokens file says now: the file is read again when
+    it changes (its inode, size or modification time), so a new token or a
+    removed line takes effect on the next request, and that person's sessions
+    end (relay.console.sessions binds each to its token). A file that cannot
+    be read as a tokens file then lets nobody in until it can, and says why
+    once in the log (ConfigError only at start, where it exits 2)."""
+
+    def __init__(self, path: str | None, token: str | None, operators: tuple[Operator, ...]):
+        self.path = path
+        self.token = token
+        self._stat = self._stat_of()
+        self._set(operators)
+
+    def _stat_of(self) -> tuple[int, ...] | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return ()
+        return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _set(self, operators: tuple[Operator, ...]) -> None:
+        self.operators = operators
+        self.by_name = {op.name: op for op in operators}
+
+    def current(self) -> Roster:
+        """Itself, with the file read again first if it changed."""
+        if self.path is None:
+            return self
+        stat = self._stat_of()
+        if stat == self._stat:
+            return self
+        self._stat = stat
+        try:
+            found = load(self.path, self.token)
+        except ConfigError as exc:
+            log.error("console: nobody may sign in until the tokens file is fixed: %s", exc)
+            self._set(())
+        else:
+            log.info("console: read %s again: %d operator(s)", self.path, len(found))
+            self._set(found)
+        return self

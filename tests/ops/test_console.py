@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from relay.console.app import COOKIE, ConsoleSettings, create_app
+from relay.console.app import ConsoleSettings, create_app
+from relay.console.guard import COOKIE
 from tests.conftest import free_port, rows, wait_until
 from tests.ops.test_dead import dead_inbox, dead_outbox, statuses
 

@@ -291,3 +291,73 @@ async def test_the_sources_table_fits_a_390_px_phone(engine, browser, start_rela
     width = await page.evaluate("document.scrollingElement.scrollWidth")
     assert width <= 390, width
     await shot(page, "phone-sources")
+
+
+async def test_a_cookie_computed_from_the_tokens_file_does_not_sign_chromium_in(
+    engine, run_relay, browser, start_relay, tmp_path
+):
+    """Issue 45's attack in a real browser: the cookie the old console made
+    from the file's hash (HMAC keyed by it) is refused; the real session
+    cookie is out of the page's reach (HttpOnly), SameSite=Strict, not
+    Secure over plain http, and ends with an expired session (a short
+    --console-session-max) and with a new token for that person."""
+    import hashlib
+    import hmac
+    import time
+
+    [row_id] = dead_outbox(engine)
+    digest = hashlib.sha256(b"alice-secret").hexdigest()
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice operator {digest}\n")
+    url = serve_console(start_relay, "--console-tokens", str(tokens), "--console-session-max", "6s")
+
+    def old(purpose: str) -> str:
+        message = f"relay-console:{purpose}:alice".encode()
+        return hmac.new(digest.encode(), message, hashlib.sha256).hexdigest()
+
+    mallory = await browser.new_context()
+    forged = {"name": "relay_console", "value": "alice." + old("session"), "url": url}
+    await mallory.add_cookies([forged])
+    page = await mallory.new_page()
+    await page.goto(url + f"/message?table=outbox&id={row_id}")
+    await page.get_by_role("button", name="sign in").wait_for()
+    assert await page.get_by_role("button", name="Retry…", exact=True).count() == 0
+    assert await mallory.cookies() == []  # the refused cookie was dropped
+    await mallory.add_cookies([forged])
+    form = {"action": "retry", "table": "outbox", "id": row_id, "confirm": "yes"}
+    refused = await mallory.request.post(
+        url + "/action", form={**form, "csrf": old("csrf")}, headers={"origin": url}
+    )
+    assert refused.status == 403 and "Sign in" in await refused.text()
+    assert rows(engine, "SELECT status FROM outbox WHERE id = CAST(:i AS uuid)", i=row_id) == [
+        ("dead",)
+    ]
+
+    alice = await browser.new_context()
+    page = await alice.new_page()
+    signed_in_at = time.monotonic()
+    await page.goto(url + f"/message?table=outbox&id={row_id}")
+    await page.fill("input[name=token]", "alice-secret")
+    await page.get_by_role("button", name="sign in").click()
+    await page.get_by_role("button", name="Retry…", exact=True).wait_for()
+    [cookie] = await alice.cookies()
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and not cookie["secure"]
+    assert cookie["value"] != "alice." + old("session")
+    assert await page.evaluate("document.cookie") == ""
+    # Past the absolute limit the browser holds no session and the page offers sign-in.
+    time.sleep(max(0.0, signed_in_at + 7 - time.monotonic()))
+    await page.goto(url + f"/message?table=outbox&id={row_id}")
+    await page.get_by_role("button", name="sign in").wait_for()
+    assert await page.get_by_role("button", name="Retry…", exact=True).count() == 0
+
+    # Signed in again, then a new token for alice in the file: the page asks her to sign in.
+    await page.fill("input[name=token]", "alice-secret")
+    await page.get_by_role("button", name="sign in").click()
+    await page.get_by_role("button", name="Retry…", exact=True).wait_for()
+    tokens.write_text(f"alice operator {hashlib.sha256(b'alice-new').hexdigest()}\n")
+    await page.reload()
+    await page.get_by_role("button", name="sign in").wait_for()
+    assert rows(engine, "SELECT status FROM outbox WHERE id = CAST(:i AS uuid)", i=row_id) == [
+        ("dead",)
+    ]
+    assert run_relay("audit", "--json").stdout.strip() == "[]"

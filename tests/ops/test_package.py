@@ -104,3 +104,37 @@ def test_the_built_wheel_runs_from_a_fresh_environment(tmp_path):
         check=True,
     ).stdout
     assert where.startswith(str(site)), where
+
+
+@pytest.mark.parametrize(
+    ("args", "allowed"),
+    [
+        (["--help"], ""),
+        (["dead", "--help"], ""),
+        # the DDL is SQLAlchemy's, printed without a connection
+        (["schema", "sql"], "sqlalchemy relay.db"),
+    ],
+)
+def test_help_and_schema_sql_load_no_database_or_broker_code(args, allowed):
+    """relay.cli imports the library inside each command: a command that
+    needs no server loads no driver, no broker client and no web stack."""
+    script = f"""
+import sys
+sys.argv = ["relay", *{args!r}]
+from relay.cli import main
+try:
+    main()
+except SystemExit as exc:
+    assert not exc.code, exc.code
+heavy = {{"psycopg", "psycopg_pool", "sqlalchemy", "aio_pika", "aiormq", "boto3",
+         "botocore", "aiobotocore", "starlette", "uvicorn", "jinja2"}}
+loaded = {{m.split(".")[0] for m in sys.modules}} & heavy
+loaded |= {{m for m in ("relay.db", "relay.brokers", "relay.console") if m in sys.modules}}
+print("loaded:", " ".join(sorted(loaded - set({allowed.split()!r}))), file=sys.stderr)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout, "the command printed nothing"
+    assert result.stderr.strip().splitlines()[-1] == "loaded:"

@@ -1,0 +1,5 @@
+"""`python -m relay.cli`: the `relay` command."""
+
+from relay.cli import main
+
+main()
