@@ -75,6 +75,7 @@ def outbox_service(
         claim_check_over=settings.claim_check_over,
         on_claim_check=metrics.claim_check_sent,
     )
+    metrics.broker_blocked.set_function(lambda: 0 if publisher.blocked is None else 1)
     loop_settings = settings
     if one_poll and not once:
         # Each idle worker's own poll comes seldom; a poller wakes the relay
