@@ -441,6 +441,10 @@ async def test_a_live_prometheus_raises_the_right_alerts_and_answers_every_panel
         public,
         quiet,
     }
+    assert {v["text"] for v in _variable_values(prometheus, dashboard, "job")} == {
+        "relay-outbox",
+        "relay-inbox",
+    }
     empty = [
         (title, expr)
         for title, expr in _panel_targets(dashboard)
