@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from tests.brokers.test_rabbit import OWN_NODE_TESTS, OwnNode, own_node  # noqa: F401 - fixture
 from tests.conftest import REPO, free_port, pg_url, rows, wait_until
 from tests.proxy import Proxy, amqp_proxy, pg_proxy  # noqa: F401 - fixtures
 
@@ -496,6 +497,51 @@ async def test_a_live_prometheus_raises_the_right_alerts_and_answers_every_panel
     finally:
         outbox.signal(signal.SIGCONT)
     print(f"live alert test: {time.monotonic() - started:.0f}s after Prometheus started")
+
+
+@OWN_NODE_TESTS
+@pytest.mark.timeout(300)
+def test_a_live_prometheus_raises_broker_blocked_during_a_memory_alarm(
+    engine: sa.Engine,
+    own_node: OwnNode,
+    start_relay: Callable[..., Any],
+    prometheus_factory: Callable[[dict[str, list[str]]], Prometheus],
+) -> None:
+    # On a RabbitMQ node of the tests' own: the shared node's alarm would
+    # block every other test's publishers.
+    _tool("prometheus")
+    port = free_port()
+    outbox = start_relay("outbox", "--http-port", str(port), env={"RELAY_BROKER_URL": own_node.url})
+    outbox.wait_for_log("outbox relay started")
+    prometheus = prometheus_factory({"relay-outbox": [f"127.0.0.1:{port}"]})
+    wait_until(
+        lambda: (
+            prometheus.value("relay_outbox_broker_blocked") == 0
+            and prometheus.value("relay_ready") == 1
+        ),
+        timeout=60,
+        message="Prometheus scrapes the outbox",
+    )
+    own_node.memory_alarm(True)
+    try:
+        _outbox_rows(engine, "public", "'alarm', null, null, '{}', '{}', now()")
+        _wait_active(
+            prometheus,
+            {("RelayBrokerBlocked", "relay-outbox", ""), ("RelayNotReady", "relay-outbox", "")},
+            "a memory alarm",
+        )
+    finally:
+        own_node.memory_alarm(False)
+    wait_until(
+        lambda: rows(engine, "SELECT status FROM outbox") == [("published",)],
+        timeout=60,
+        message="published once the alarm clears",
+    )
+    wait_until(
+        lambda: prometheus.value("relay_outbox_broker_blocked") == 0,
+        timeout=60,
+        message="the gauge back at 0",
+    )
 
 
 def _variable_values(
