@@ -421,14 +421,16 @@ async def test_a_live_prometheus_raises_the_right_alerts_and_answers_every_panel
         assert prometheus.alerts() == [], "an alert on a healthy flow"
         time.sleep(1)
 
-    # 2. Dead rows and a failing handler: an outbox row no broker can carry
-    # (a header that is not a string: dead at once), a message of a type
-    # with no handler (dead in the inbox), one whose handler always raises.
-    _outbox_rows(engine, "public", "'m.dead', null, 'Effect', '{}', '{\"n\": 1}', now()")
+    # 2. Dead rows and failures: outbox rows no broker can carry (a header
+    # that is not a string: a failed attempt, dead at once; 20 against the
+    # flow's 40 published), a message of a type with no handler (dead in the
+    # inbox), messages whose handler always raises.
+    _outbox_rows(engine, "public", "'m.dead', null, 'Effect', '{}', '{\"n\": 1}', now()", count=20)
     _outbox_rows(engine, "public", "'m.dead', null, 'NoSuchHandler', '{}', '{}', now()")
     _outbox_rows(engine, "public", "'m.fail', null, 'AlwaysFails', '{}', '{}', now()", count=3)
     dead_and_failing = {
         ("RelayOutboxDeadRows", "relay-outbox", public),
+        ("RelayOutboxPublishFailing", "relay-outbox", public),
         ("RelayInboxDeadRows", "relay-inbox", ""),
         ("RelayInboxHandlersFailing", "relay-inbox", ""),
     }
