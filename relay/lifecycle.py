@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.errors import ConfigError, SchemaError, Unavailable
+from relay.metrics import ReadyMetric
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class Daemon:
         self._stalled: set[str] = set()
         self._main_task: asyncio.Task[None] | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ready_metric = ReadyMetric()
 
     # -- state ----------------------------------------------------------------
 
@@ -188,6 +190,14 @@ class Daemon:
         """Every service's metrics in the Prometheus text format, or None without any."""
         parts = [service.metrics() for service in self.services if service.metrics]
         return b"".join(parts) if parts else None
+
+    async def scrape(self) -> bytes | None:
+        """/metrics: metrics(), and relay_ready, /readyz's answer now (an
+        alert rule sees what a Kubernetes readiness probe sees)."""
+        body = self.metrics()
+        if body is None:
+            return None
+        return body + self._ready_metric.render(await self.unready_reason() is None)
 
     # -- stopping --------------------------------------------------------------
 
@@ -450,7 +460,7 @@ async def _route(daemon: Daemon, method: str, path: str) -> tuple[int, str, byte
             return 200, text, b"ready\n"
         return 503, text, f"not ready: {reason}\n".encode()
     if path == "/metrics":
-        body = daemon.metrics()
+        body = await daemon.scrape()
         if body is not None:
             return 200, "text/plain; version=0.0.4; charset=utf-8", body
     return 404, text, b"not found\n"

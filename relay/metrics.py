@@ -12,6 +12,7 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_outbox_pending | gauge | pending rows in the table |
 | relay_outbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
 | relay_outbox_publish_seconds | histogram | claim of a batch to the broker's last confirm |
+| relay_outbox_broker_blocked | gauge | 1 while the broker blocks publishing (a RabbitMQ resource alarm), else 0 |
 | relay_outbox_claim_checked_total | counter | rows published by claim check (body stored in S3, pointer published) |
 | relay_outbox_claim_check_uploaded_bytes_total | counter | bytes of bodies stored in S3 by the claim check |
 | relay_inbox_received_total | counter | messages received from the broker |
@@ -29,6 +30,8 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_table_dead_tuples{table} | gauge | the table's dead row versions (n_dead_tup) |
 | relay_table_last_vacuum_timestamp_seconds{table} | gauge | its last (auto)vacuum, Unix time |
 | relay_table_vacuums_total{table} | counter | VACUUMs relay itself ran of the table (churn) |
+| relay_ready | gauge | 1 when /readyz would answer 200, else 0 (looked at on each scrape) |
+| relay_source_ready{source} | gauge | an outbox of several sources: 1 when the source's database and broker answer |
 
 An outbox of several sources (relay.sources) has one registry whose
 outbox and table metrics carry a first label `source` (`database/schema`);
@@ -188,7 +191,25 @@ class OutboxMetrics:
             labels,
             registry=r,
         )
+        # Set to a function of its publisher by relay.wiring.outbox_service.
+        self.broker_blocked = Gauge(
+            "relay_outbox_broker_blocked",
+            "1 while the broker blocks publishing (a RabbitMQ resource alarm), else 0",
+            labels,
+            registry=r,
+        )
         self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r, labels)
+        # Set by relay.sources.Sources.ready (each /readyz and /metrics).
+        self.source_ready = (
+            Gauge(
+                "relay_source_ready",
+                "1 when the source's database and broker answered at the last look, else 0",
+                ["source"],
+                registry=r,
+            )
+            if by_source
+            else None
+        )
 
     _PLAIN = (
         "published",
@@ -200,6 +221,7 @@ class OutboxMetrics:
         "publish_seconds",
         "claim_checked",
         "claim_check_bytes",
+        "broker_blocked",
     )
     _LABELED = ("unroutable", "dead_tuples", "last_vacuum", "vacuums")
 
@@ -208,6 +230,7 @@ class OutboxMetrics:
         of `source` (the metrics made with by_source)."""
         view = object.__new__(OutboxMetrics)
         view.registry = self.registry
+        view.source_ready = None
         for name in self._PLAIN:
             setattr(view, name, getattr(self, name).labels(source))
         for name in self._LABELED:
@@ -221,6 +244,9 @@ class OutboxMetrics:
                 getattr(self, name).remove(source)
         for name in self._LABELED:
             _Bound(getattr(self, name), source).remove()
+        if self.source_ready is not None:
+            with contextlib.suppress(KeyError):  # never looked at
+                self.source_ready.remove(source)
 
     def claim_check_sent(self, messages: int, uploaded: int) -> None:
         """relay.s3.ClaimCheckPublisher's report of one batch."""
@@ -228,6 +254,24 @@ class OutboxMetrics:
         self.claim_check_bytes.inc(uploaded)
 
     def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ReadyMetric:
+    """relay_ready: the daemon's /readyz answer as a gauge (1 ready, 0 not),
+    set when /metrics is scraped (relay.lifecycle), so that an alert rule can
+    see what a Kubernetes probe sees."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.gauge = Gauge(
+            "relay_ready",
+            "1 when /readyz answers 200 (database and broker answer, not blocked), else 0",
+            registry=self.registry,
+        )
+
+    def render(self, ready: bool) -> bytes:
+        self.gauge.set(1 if ready else 0)
         return generate_latest(self.registry)
 
 

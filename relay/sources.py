@@ -211,6 +211,9 @@ class Sources:
         runs = list(self.runs.values())
         answers = await asyncio.gather(*(run.ready() for run in runs))
         self._unready = [run.label for run, ready in zip(runs, answers, strict=True) if not ready]
+        if self.metrics.source_ready is not None:
+            for run, ready in zip(runs, answers, strict=True):
+                self.metrics.source_ready.labels(run.label).set(1 if ready else 0)
         return all(answers)
 
     def unready(self) -> str | None:

@@ -144,6 +144,7 @@ def outbox_service(
         metrics,
         poll_interval=max(settings.poll_interval, WORKER_POLL) if poller else None,
     )
+    metrics.broker_blocked.set_function(lambda: 0 if publisher.blocked is None else 1)
     probe_lock = asyncio.Lock()
 
     async def main(started: Started) -> None:

@@ -473,6 +473,8 @@ async def test_a_memory_alarm_pauses_publishing_uncounted_says_why_and_resumes(
         _, body = http_get(port, "/readyz")
         assert "blocks publishing" in body and "memory" in body.lower(), body
         assert "RabbitMQ blocked the connection" in daemon.log
+        samples = metrics(port)  # what monitoring/alerts.yml's RelayBrokerBlocked sees
+        assert "relay_outbox_broker_blocked 1.0" in samples and "relay_ready 0.0" in samples
         assert statuses(engine) == [("published", 0), ("pending", 0)]
     finally:
         own_node.memory_alarm(False)

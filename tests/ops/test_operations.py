@@ -433,6 +433,8 @@ async def test_outbox_metrics_after_a_known_workload(engine, rabbit, start_relay
     assert metrics["relay_outbox_dead_total"] == 1.0
     assert metrics["relay_outbox_oldest_pending_seconds"] == 0.0
     assert metrics["relay_outbox_deleted_total"] == 0.0
+    assert metrics["relay_outbox_broker_blocked"] == 0.0
+    assert metrics["relay_ready"] == 1.0  # /readyz's answer (monitoring/alerts.yml)
     assert metrics["relay_outbox_publish_seconds_count"] >= 1
     assert (
         metrics['relay_outbox_publish_seconds_bucket{le="+Inf"}']
@@ -478,6 +480,7 @@ async def test_inbox_metrics_after_a_known_workload(effects, rabbit, inbox):
     )
     assert metrics["relay_inbox_oldest_pending_seconds"] == 0.0
     assert "# TYPE relay_inbox_handler_seconds histogram" in scrape_text(port)
+    assert metrics["relay_ready"] == 1.0
     assert rows(
         effects, "SELECT count(DISTINCT message_id) FROM effects WHERE message_id LIKE 'm-%'"
     ) == [(10,)]
