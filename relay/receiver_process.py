@@ -30,12 +30,13 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from relay import logs
 from relay.backoff import until_available
-from relay.brokers import Consumer, make_consumer
+from relay.brokers import Consumer, Reading, make_consumer
 from relay.config import InboxSettings
 from relay.db.connect import password_command, use_password_command
 from relay.db.writer import InboxWriter
@@ -48,6 +49,8 @@ log = logging.getLogger("relay.inbox")
 # The child says it is alive (and whether it is connected) this often; a
 # child silent for STALL_AFTER (relay.lifecycle) makes the daemon unhealthy.
 ALIVE_INTERVAL = 1.0
+# How often the consumer's readings (relay.brokers.Reading) are taken.
+READINGS_INTERVAL = 5.0
 
 
 class LocalReceiver:
@@ -68,8 +71,12 @@ class LocalReceiver:
                 prefetch=settings.prefetch,
                 queue_type=settings.queue_type,
                 queue_args=settings.queue_args,
+                consumer_name=settings.consumer_name,
             )
         self.consumer = consumer
+        # The consumer's figures on its broker (relay.brokers.Reading), for /metrics.
+        self.readings: list[Reading] = []
+        self.on_readings: Callable[[list[Reading]], None] | None = None
         self.writer = InboxWriter(settings.database_url, settings.schema)
         self.receiver = Receiver(settings, self.writer, self.consumer, pace, report)
         self.stopping = self.receiver.stopping
@@ -90,7 +97,27 @@ class LocalReceiver:
         )
 
     async def run(self) -> None:
-        await self.receiver.run()
+        watch = asyncio.ensure_future(self._watch_readings())
+        try:
+            await self.receiver.run()
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
+    async def _watch_readings(self) -> None:
+        """Ask the consumer for its readings every READINGS_INTERVAL, if it has any."""
+        measure = getattr(self.consumer, "readings", None)
+        if measure is None:
+            return
+        while True:
+            try:
+                self.readings = await measure()
+            except Exception as exc:  # noqa: BLE001 - a figure missing is no reason to stop
+                log.debug("cannot read the broker's figures: %r", exc)
+            else:
+                if self.on_readings is not None:
+                    self.on_readings(self.readings)
+            await asyncio.sleep(READINGS_INTERVAL)
 
     def stop(self) -> None:
         self.receiver.stop()
@@ -139,6 +166,13 @@ class Stored:
 
 
 @dataclass(frozen=True)
+class Readings:
+    """The consumer's latest readings on its broker (relay.brokers.Reading)."""
+
+    readings: list[Reading]
+
+
+@dataclass(frozen=True)
 class ConfigProblem:
     """The child met a ConfigError (the parent raises it): the daemon exits 2."""
 
@@ -146,7 +180,7 @@ class ConfigProblem:
 
 
 ToChild = Start | Lead | Stop
-ToParent = Alive | Stored | ConfigProblem
+ToParent = Alive | Stored | Readings | ConfigProblem
 
 
 def _send(writer: asyncio.StreamWriter, message: ToChild | ToParent) -> None:
@@ -182,6 +216,7 @@ class ReceiverProcess:
         self.stopping = asyncio.Event()
         self.connected = False
         self.last_alive = time.monotonic()
+        self.readings: list[Reading] = []  # the child's consumer's, for /metrics
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -243,6 +278,8 @@ class ReceiverProcess:
             self.report(
                 message.received, message.new, message.dead, message.fetched, message.fetched_bytes
             )
+        elif isinstance(message, Readings):
+            self.readings = message.readings
         elif isinstance(message, ConfigProblem):
             raise ConfigError(message.text)
         return True
@@ -314,10 +351,10 @@ async def _child(fd: int) -> int:
         gate.stored(new)
         _send(writer, Stored(received, new, dead, fetched, fetched_bytes))
 
+    local = LocalReceiver(start.settings, gate, report)
+    local.on_readings = lambda readings: _send(writer, Readings(readings))
     try:
-        await _receive_until_stopped(
-            LocalReceiver(start.settings, gate, report), reader, writer, gate
-        )
+        await _receive_until_stopped(local, reader, writer, gate)
         return 0
     except ConfigError as exc:
         _send(writer, ConfigProblem(str(exc)))

@@ -231,6 +231,7 @@ def inbox_service(
         if receiver_process
         else LocalReceiver(settings, pace, stored, consumer)
     )
+    metrics.watch(receiver)  # the consumer's readings (relay_inbox_kafka_lag)
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(fn) for fn in registry.functions())

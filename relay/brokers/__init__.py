@@ -83,6 +83,19 @@ class Incoming:
     content_type: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A figure a consumer measures on its broker, for /metrics as a gauge
+    (relay_inbox_kafka_lag by topic and partition, say). A consumer that
+    has any has `async def readings(self) -> list[Reading]`; the layers
+    above show them as they are, knowing no broker."""
+
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    values: tuple[tuple[tuple[str, ...], float], ...]
+
+
 class Consumer(Protocol):
     """Receives messages in batches; acknowledges them after they are stored."""
 
@@ -172,7 +185,11 @@ def make_publisher(
     """The publisher for `broker`, shared by `workers` outbox workers; with
     `claim_check`, behind relay.s3's claim check (large bodies go to S3)."""
     publisher: Publisher
-    if broker.kind == "amqp":
+    if broker.kind == "kafka":
+        from relay.brokers.kafka import KafkaPublisher
+
+        publisher = KafkaPublisher(broker)
+    elif broker.kind == "amqp":
         from relay.brokers.amqp import AmqpPublisher
 
         publisher = AmqpPublisher(
@@ -198,7 +215,14 @@ def make_consumer(
     prefetch: int,
     queue_type: str | None = None,
     queue_args: Sequence[tuple[str, str | int]] = (),
+    consumer_name: str = "",
 ) -> Consumer:
+    if broker.kind == "kafka":
+        from relay.brokers.kafka import KafkaConsumer
+
+        return KafkaConsumer(
+            broker, topics=queue.split(","), group=consumer_name, prefetch=prefetch
+        )
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpConsumer
 
