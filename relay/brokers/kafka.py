@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -581,6 +582,12 @@ class KafkaConsumer:
         self._failure: BaseException | None = None
         self._revoking = threading.Event()
         self._acked = threading.Condition(self._lock)
+        # confluent-kafka serializes a consumer's calls: a commit from the
+        # event loop waits for the consume thread's consume() to return. So
+        # every call after subscribe() is the consume thread's: a commit when
+        # asked for (ack), the lag when asked for (readings).
+        self._commit_due = threading.Event()
+        self._lag_wanted: deque[Future[dict[tuple[str, int], int]]] = deque()
         self.lag: dict[tuple[str, int], int] = {}
 
     @property
@@ -725,7 +732,13 @@ class KafkaConsumer:
         assert consumer is not None
         paused = False
         while not self._stop.is_set():
+            while self._lag_wanted:
+                wanted = self._lag_wanted.popleft()
+                wanted.set_result(self.measure_lag(consumer))
             try:
+                if self._commit_due.is_set():
+                    self._commit_due.clear()
+                    self._commit(consumer, asynchronous=True)
                 if self._held >= self.max_held and not paused:
                     consumer.pause(consumer.assignment())
                     paused = True
@@ -835,15 +848,9 @@ class KafkaConsumer:
                     state.committable = state.handed.popleft()[0] + 1
                     self._held -= 1
             self._acked.notify_all()
-        consumer = self._consumer
-        if consumer is None:
+        if self._consumer is None:
             raise BrokerUnavailable("Kafka consumer closed before the batch was committed")
-        try:
-            self._commit(consumer, asynchronous=True)
-        except KafkaException as exc:
-            error = BrokerUnavailable(f"committing Kafka offsets: {_describe(exc.args[0])}")
-            self._fail(error)
-            raise error from None
+        self._commit_due.set()  # by the consume thread, at once (close() commits the rest)
 
     def _commit(
         self, consumer: RdConsumer, *, asynchronous: bool, only: set[tuple[str, int]] | None = None
@@ -866,7 +873,12 @@ class KafkaConsumer:
     # -- the lag metric ---------------------------------------------------------
 
     async def readings(self) -> list[Reading]:
-        lag = await asyncio.to_thread(self.measure_lag)
+        lag = self.lag
+        if self._thread is not None and self._thread.is_alive():
+            wanted: Future[dict[tuple[str, int], int]] = Future()
+            self._lag_wanted.append(wanted)
+            with contextlib.suppress(TimeoutError):
+                lag = await asyncio.wait_for(asyncio.wrap_future(wanted), 30)
         return [
             Reading(
                 "relay_inbox_kafka_lag",
@@ -879,13 +891,10 @@ class KafkaConsumer:
             )
         ]
 
-    def measure_lag(self) -> dict[tuple[str, int], int]:
+    def measure_lag(self, consumer: RdConsumer) -> dict[tuple[str, int], int]:
         """relay_inbox_kafka_lag: by (topic, partition) assigned here, the
         records between the group's committed offset and the partition's end
-        (blocking: call it in a thread)."""
-        consumer = self._consumer
-        if consumer is None:
-            return {}
+        (in the consume thread)."""
         found: dict[tuple[str, int], int] = {}
         try:
             assigned = consumer.assignment()
