@@ -174,10 +174,9 @@ class Kafka:
                 for message in consumer.consume(1000, 0.2):
                     if message.error() is None:
                         got.append(message)
-            # Anything past `count` that was already on its way.
-            for message in consumer.consume(1000, 0.5):
-                if message.error() is None:
-                    got.append(message)
+            # Anything past `count`: until a round brings nothing more.
+            while more := consumer.consume(1000, 0.5):
+                got += [m for m in more if m.error() is None]
         finally:
             consumer.close()
         assert len(got) >= count, f"{len(got)} records in {topic}, not {count}"

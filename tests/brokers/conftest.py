@@ -26,8 +26,8 @@ from relay.brokers.memory import MemoryBroker, Message
 from relay.config import BrokerURL
 from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, Rabbit
-from tests.proxy import Proxy
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
+from tests.proxy import Proxy
 from tests.sqs_server import REGION, Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 
 
