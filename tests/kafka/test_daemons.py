@@ -5,6 +5,8 @@ beyond the suites run over every broker (tests/brokers, tests/e2e)."""
 from __future__ import annotations
 
 import signal
+import time
+import urllib.error
 import urllib.request
 
 import orjson
@@ -187,3 +189,55 @@ def test_batch_handlers_and_the_lag_metric(effects: sa.Engine, kafka: Kafka, sta
     wait_until(lambda: len(lag()) == 2 and set(lag().values()) == {0.0}, timeout=30)
     assert all(f'topic="{topic}"' in name for name in lag())
     daemon.stop()
+
+
+def test_a_cluster_cut_off_counts_no_attempt_readyz_says_so_and_publishing_resumes(
+    engine: sa.Engine, kafka: Kafka, start_relay
+):
+    topic = kafka.topic("cut", 3)
+    port = free_port()
+    daemon = start_relay(
+        "outbox",
+        "--http-port",
+        str(port),
+        "--poll-interval",
+        "0.2",
+        env={"RELAY_BROKER_URL": kafka.url()},
+    )
+    daemon.wait_for_log("outbox relay started", timeout=30)
+    with engine.begin() as conn:
+        for n in range(10):
+            relay.enqueue(conn, topic, {"n": n}, key=f"k{n % 3}")
+    wait_until(lambda: published(engine) == 10, timeout=30)
+    kafka.proxy.stop()
+    wait_until(lambda: http_status(port, "/readyz") == 503, timeout=30)
+    with engine.begin() as conn:
+        for n in range(10, 30):
+            relay.enqueue(conn, topic, {"n": n}, key=f"k{n % 3}")
+    time.sleep(3)
+    assert rows(engine, "SELECT max(attempts) FROM outbox")[0][0] == 0
+    kafka.proxy.start()
+    wait_until(lambda: published(engine) == 30, timeout=90)
+    wait_until(lambda: http_status(port, "/readyz") == 200, timeout=30)
+    assert rows(engine, "SELECT max(attempts) FROM outbox")[0][0] == 0
+    records = kafka.read(topic, 30)
+    last: dict[bytes, int] = {}
+    for record in records:  # each key's rows in order, each once
+        n = orjson.loads(record.value())["n"]
+        assert n > last.get(record.key(), -1)
+        last[record.key()] = n
+    assert len(records) == 30
+    daemon.stop()
+    assert daemon.proc.returncode == 0
+
+
+def published(engine: sa.Engine) -> int:
+    return rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'")[0][0]
+
+
+def http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
