@@ -103,8 +103,12 @@ class DemoSettings:
 
     @property
     def topic(self) -> str:
-        # SQS has no exchange: the topic is the queue the inbox reads.
-        return self.queue if self.broker is not None and self.broker.kind == "sqs" else TOPIC
+        # SQS and Kafka have no exchange: the topic is the queue the inbox reads.
+        return (
+            self.queue
+            if self.broker is not None and self.broker.kind in ("sqs", "kafka")
+            else TOPIC
+        )
 
     def outbox(self) -> OutboxSettings:
         return OutboxSettings(

@@ -241,3 +241,25 @@ def http_status(port: int, path: str) -> int:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+def test_relay_demo_runs_on_kafka(engine: sa.Engine, kafka: Kafka, run_relay):
+    topic = kafka.topic("demo", 2)
+    result = run_relay(
+        "demo",
+        "--duration",
+        "8",
+        "--rate",
+        "50",
+        "--queue",
+        topic,
+        env={"RELAY_BROKER_URL": kafka.url()},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "relay demo: produced" in result.stdout
+    [(handled, consumers)] = rows(
+        engine, "SELECT count(*), array_agg(DISTINCT consumer) FROM relay_demo_events"
+    )
+    assert handled > 0 and consumers == [topic], result.stdout
+    assert len(kafka.read(topic, handled)) >= handled
