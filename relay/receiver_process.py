@@ -351,9 +351,9 @@ async def _child(fd: int) -> int:
         gate.stored(new)
         _send(writer, Stored(received, new, dead, fetched, fetched_bytes))
 
-    local = LocalReceiver(start.settings, gate, report)
-    local.on_readings = lambda readings: _send(writer, Readings(readings))
     try:
+        local = LocalReceiver(start.settings, gate, report)
+        local.on_readings = lambda readings: _send(writer, Readings(readings))
         await _receive_until_stopped(local, reader, writer, gate)
         return 0
     except ConfigError as exc:

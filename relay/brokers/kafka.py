@@ -161,6 +161,17 @@ def client_config(
     return {**defaults, **given, **own}
 
 
+class _Librdkafka:
+    """librdkafka's own log lines (a connection refused on every reconnect)
+    at DEBUG: relay logs what they mean once (unreachable, back again)."""
+
+    def log(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+        log.debug(msg, *args)
+
+
+LIBRDKAFKA_LOG = _Librdkafka()
+
+
 def _where(broker: BrokerURL) -> str:
     return redact_url(broker.url)
 
@@ -303,7 +314,9 @@ class KafkaPublisher:
     async def connect(self) -> None:
         if self._producer is None:
             try:
-                self._producer = Producer({**self.config, "error_cb": self._error, "logger": log})
+                self._producer = Producer(
+                    {**self.config, "error_cb": self._error, "logger": LIBRDKAFKA_LOG}
+                )
             except KafkaException as exc:
                 raise _config_error(exc, self.broker) from None
             self._stop.clear()
@@ -603,7 +616,9 @@ class KafkaConsumer:
         self._failure = None
         self._loop = asyncio.get_running_loop()
         try:
-            consumer = RdConsumer({**self.config, "error_cb": self._error, "logger": log})
+            consumer = RdConsumer(
+                {**self.config, "error_cb": self._error, "logger": LIBRDKAFKA_LOG}
+            )
         except KafkaException as exc:
             raise _config_error(exc, self.broker) from None
         try:
