@@ -525,9 +525,8 @@ def to_incoming(message: Message, token: Token) -> Incoming:
     given = message.headers() or []
     pairs: list[tuple[str, Any]] = list(given.items() if isinstance(given, dict) else given)
     headers: dict[str, Any] = {}
-    for name, value in pairs:
-        if name not in headers:  # the first of a repeated name
-            headers[name] = _text(value)
+    for name, value in pairs:  # a repeated name: the last, as Java's lastHeader()
+        headers[name] = _text(value)
     message_id = headers.get("id") or headers.get("message_id") or None
     raw_key = message.key()
     return Incoming(
