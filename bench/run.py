@@ -77,6 +77,7 @@ from bench.harness import (
     metrics,
     wait_metric,
 )
+from bench.kafka import scenario_kafka
 from bench.naive import run_naive
 from bench.pgserver import own_postgres
 from bench.reference import (
@@ -571,6 +572,7 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "sqs_ref": scenario_sqs_ref,
     "latency_offered": scenario_latency_offered,
     "multi": scenario_multi,
+    "kafka": scenario_kafka,
 }
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.

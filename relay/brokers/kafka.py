@@ -253,7 +253,8 @@ class _Batch:
                 self.waiting -= 1
                 done = self.sealed and self.waiting == 0
             if done:
-                self.loop.call_soon_threadsafe(self._finish)
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    self.loop.call_soon_threadsafe(self._finish)
 
         return delivered
 
@@ -309,7 +310,10 @@ class KafkaPublisher:
         producer = self._producer
         assert producer is not None
         while not self._stop.is_set():
-            producer.poll(0.05)
+            try:
+                producer.poll(0.05)
+            except Exception:  # a callback's error: the reports go on
+                log.exception("serving Kafka delivery reports")
 
     async def connect(self) -> None:
         if self._producer is None:
@@ -415,6 +419,9 @@ class KafkaPublisher:
         await self._delivered(producer, batch)
         for index in sent:
             results[index] = self._result(batch.reports[index])
+            report = batch.reports[index]
+            if isinstance(report, KafkaError) and report.code() in _MISSING_TOPIC:
+                self._topics.discard(rows[index].topic)  # deleted since: look it up again
         return self._in_key_order(rows, results)
 
     async def _produce(
