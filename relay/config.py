@@ -615,8 +615,18 @@ class InboxSettings(DaemonSettings):
                 "--bind applies to RabbitMQ only: an SQS queue receives what is sent to it "
                 "(subscribe it to an SNS topic to fan out)"
             )
+        kafka = self.broker is not None and self.broker.kind == "kafka"
+        if kafka and (self.binds or self.queue_type == "quorum" or self.queue_args):
+            raise ConfigError(
+                "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Kafka "
+                "consumer reads the topics --queue lists"
+            )
+        if kafka and not all(t.strip() for t in self.queue.split(",")):
+            raise ConfigError(f"invalid --queue {self.queue!r}: list Kafka topics as TOPIC,TOPIC")
         if not self.consumer_name:
-            object.__setattr__(self, "consumer_name", self.queue)
+            # Kafka: the consumer group (and dedup scope) is the first topic's name.
+            first = self.queue.split(",")[0].strip() if kafka else self.queue
+            object.__setattr__(self, "consumer_name", first)
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
 

@@ -263,3 +263,20 @@ def test_relay_demo_runs_on_kafka(engine: sa.Engine, kafka: Kafka, run_relay):
     )
     assert handled > 0 and consumers == [topic], result.stdout
     assert len(kafka.read(topic, handled)) >= handled
+
+
+def test_one_inbox_reads_several_topics_as_the_first_ones_group(
+    effects: sa.Engine, kafka: Kafka, start_relay
+):
+    first, second = kafka.topic("first"), kafka.topic("second", 2)
+    kafka.produce(first, b'{"n": 1}', headers=[("id", b"t-1"), ("type", b"Effect")])
+    kafka.produce(second, b'{"n": 2}', key=b"k", headers=[("id", b"t-2"), ("type", b"Effect")])
+    daemon = start_relay(
+        *inbox_args(kafka, f"{first},{second}"), env={"RELAY_BROKER_URL": kafka.url()}
+    )
+    wait_until(lambda: sorted(effect_ids(effects)) == ["t-1", "t-2"], timeout=60)
+    assert {r[0] for r in rows(effects, "SELECT DISTINCT consumer FROM inbox")} == {first}
+    wait_until(lambda: kafka.committed(first, first) == {0: 1}, timeout=30)
+    # The keyed record's partition committed past it (the other holds none).
+    wait_until(lambda: max(kafka.committed(first, second).values()) == 1, timeout=30)
+    daemon.stop()

@@ -141,3 +141,19 @@ def test_without_the_kafka_extra_a_kafka_url_exits_2_naming_it():
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "relay-outbox[kafka]" in lines[0], done.stderr
+
+
+def test_the_inbox_group_defaults_to_the_first_topic_and_rabbitmq_flags_are_refused():
+    from relay.config import InboxSettings
+
+    broker = BrokerURL.parse("kafka://b:9092")
+    db = "postgresql://x@db/app"
+    settings = InboxSettings(db, broker=broker, queue="orders, payments")
+    assert settings.consumer_name == "orders"
+    named = InboxSettings(db, broker=broker, queue="orders,payments", consumer_name="billing")
+    assert named.consumer_name == "billing"
+    for extra in ({"binds": ("#",)}, {"queue_type": "quorum"}, {"queue_args": ("x-a=1",)}):
+        with pytest.raises(ConfigError, match="RabbitMQ only"):
+            InboxSettings(db, broker=broker, queue="orders", **extra)
+    with pytest.raises(ConfigError, match="TOPIC,TOPIC"):
+        InboxSettings(db, broker=broker, queue="orders,,payments")
