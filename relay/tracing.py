@@ -37,7 +37,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # The messaging.system value per broker kind (relay.config.BrokerURL.kind).
-SYSTEMS = {"amqp": "rabbitmq", "sqs": "aws_sqs"}
+SYSTEMS = {"amqp": "rabbitmq", "sqs": "aws_sqs", "kafka": "kafka"}
 
 enabled = False
 _tracer: Any = None
