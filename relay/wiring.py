@@ -21,7 +21,6 @@ from relay.brokers import Consumer, make_publisher
 from relay.config import DaemonSettings, InboxSettings, OutboxSettings
 from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
 from relay.db.connect import check_tls
-from relay.errors import Unavailable
 from relay.handlers import HandlerRegistry, is_async
 from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
 from relay.lifecycle import STALL_AFTER, Daemon, Service, Started, run_together
@@ -111,10 +110,8 @@ def outbox_service(
                 claim_check=settings.claim_check,
             )
             try:
-                await probe.connect()
+                await probe.connect()  # Unavailable: /readyz says why
                 return True
-            except Unavailable:
-                return False
             finally:
                 await probe.close()
 

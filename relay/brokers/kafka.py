@@ -108,6 +108,10 @@ _PRODUCER_ONLY = set(PRODUCER) - {"allow.auto.create.topics"} | {
     "sticky.partitioning.linger.ms",
 }
 CONNECT_TIMEOUT = 5.0
+# The outbox's first metadata request: short enough for /readyz's probe
+# (relay.lifecycle.PROBE_TIMEOUT, 2 s) to give the reason; a slower cluster
+# is only asked again, with backoff.
+PROBE_TIMEOUT = 1.5
 DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's message.max.bytes
 # Kafka topic names: letters, digits, . _ and -, at most 249.
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -283,6 +287,7 @@ class KafkaPublisher:
         self._stop = threading.Event()
         self._down: str | None = "not connected yet"  # why the cluster is unreachable
         self._topics: set[str] = set()  # known to exist
+        self._last_error: str | None = None  # librdkafka's last error report
 
     @property
     def connected(self) -> bool:
@@ -299,6 +304,7 @@ class KafkaPublisher:
         return
 
     def _error(self, error: KafkaError) -> None:  # librdkafka's error_cb, in the poll thread
+        self._last_error = _describe(error)
         if error.code() == KafkaError._ALL_BROKERS_DOWN or error.fatal():
             if self._down is None:
                 log.warning("Kafka at %s is unreachable: %s", _where(self.broker), _describe(error))
@@ -331,9 +337,10 @@ class KafkaPublisher:
         if self._down is None:
             return
         try:
-            await asyncio.to_thread(self._producer.list_topics, None, CONNECT_TIMEOUT)
+            await asyncio.to_thread(self._producer.list_topics, None, PROBE_TIMEOUT)
         except KafkaException as exc:
-            self._down = _describe(exc.args[0])
+            # librdkafka's last error says more (`Connect to … failed: …`).
+            self._down = self._last_error or _describe(exc.args[0])
             raise BrokerUnavailable(f"Kafka at {_where(self.broker)}: {self._down}") from None
         if self._down != "not connected yet":
             log.info("Kafka at %s is reachable again", _where(self.broker))

@@ -211,6 +211,8 @@ def test_a_cluster_cut_off_counts_no_attempt_readyz_says_so_and_publishing_resum
     wait_until(lambda: published(engine) == 10, timeout=30)
     kafka.proxy.stop()
     wait_until(lambda: http_status(port, "/readyz") == 503, timeout=30)
+    reason = readyz_body(port)
+    assert "outbox" in reason and "Kafka at kafka://127.0.0.1" in reason, reason
     with engine.begin() as conn:
         for n in range(10, 30):
             relay.enqueue(conn, topic, {"n": n}, key=f"k{n % 3}")
@@ -233,6 +235,14 @@ def test_a_cluster_cut_off_counts_no_attempt_readyz_says_so_and_publishing_resum
 
 def published(engine: sa.Engine) -> int:
     return rows(engine, "SELECT count(*) FROM outbox WHERE status = 'published'")[0][0]
+
+
+def readyz_body(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as response:
+            return str(response.read().decode())
+    except urllib.error.HTTPError as exc:
+        return str(exc.read().decode())
 
 
 def http_status(port: int, path: str) -> int:
