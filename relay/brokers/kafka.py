@@ -397,19 +397,23 @@ class KafkaPublisher:
         assert producer is not None
         results: list[PublishResult] = [None] * len(rows)
         held: set[str] = set()  # keys whose row failed here: their later rows wait
-        records: list[tuple[int, Record]] = []
+        records: dict[int, Record] = {}
         for index, row in enumerate(rows):
             try:
-                records.append((index, build_record(row)))
+                records[index] = build_record(row)
             except Exception as exc:  # noqa: BLE001 - whatever it is, it is this row's
                 results[index] = encode_failure(exc)
-        by_topic = await self._check_topics({record.topic for _, record in records})
+        by_topic = await self._check_topics({record.topic for record in records.values()})
         batch = _Batch(asyncio.get_running_loop(), len(rows))
         sent: list[int] = []
-        for index, record in records:
-            row = rows[index]
+        for index, row in enumerate(rows):
+            record = records.get(index)
             if row.key is not None and row.key in held:
                 results[index] = Outcome.RELEASE
+                continue
+            if record is None:  # not encodable: dead, and its key's later rows wait
+                if row.key is not None:
+                    held.add(row.key)
                 continue
             refused = by_topic.get(record.topic)
             if refused is None and record.size > self.limit:
@@ -425,7 +429,7 @@ class KafkaPublisher:
         batch.seal()
         await self._delivered(producer, batch)
         for index in sent:
-            results[index] = self._result(batch.reports[index])
+            results[index] = self._result(batch.reports[index], records[index])
             report = batch.reports[index]
             if isinstance(report, KafkaError) and report.code() in _MISSING_TOPIC:
                 self._topics.discard(rows[index].topic)  # deleted since: look it up again
