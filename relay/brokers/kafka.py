@@ -108,6 +108,9 @@ _PRODUCER_ONLY = set(PRODUCER) - {"allow.auto.create.topics"} | {
     "sticky.partitioning.linger.ms",
 }
 CONNECT_TIMEOUT = 5.0
+# How often the producer's reports are polled for: while a batch waits, idle.
+BUSY_POLL = 0.001
+IDLE_POLL = 0.1
 # The outbox's first metadata request: short enough for /readyz's probe
 # (relay.lifecycle.PROBE_TIMEOUT, 2 s) to give the reason; a slower cluster
 # is only asked again, with backoff.
@@ -283,8 +286,7 @@ class KafkaPublisher:
         self.config = client_config(broker, PRODUCER, PRODUCER_DEFAULTS)
         self.limit = int(self.config.get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES))
         self._producer: Producer | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._poller: asyncio.Future[None] | None = None
         self._down: str | None = "not connected yet"  # why the cluster is unreachable
         self._topics: set[str] = set()  # known to exist
         self._last_error: str | None = None  # librdkafka's last error report
@@ -312,14 +314,20 @@ class KafkaPublisher:
         else:
             log.debug("Kafka producer: %s", _describe(error))
 
-    def _serve(self) -> None:
-        producer = self._producer
-        assert producer is not None
-        while not self._stop.is_set():
-            try:
-                producer.poll(0.05)
-            except Exception:  # a callback's error: the reports go on
-                log.exception("serving Kafka delivery reports")
+    def _poll(self, producer: Producer) -> None:
+        """Serve the delivery reports and errors that have arrived, on the
+        event loop's thread (no thread of its own: its callbacks fought the
+        loop for the interpreter lock)."""
+        try:
+            producer.poll(0)
+        except Exception:  # a callback's error: the reports go on
+            log.exception("serving Kafka delivery reports")
+
+    async def _serve(self, producer: Producer) -> None:
+        """While idle, errors are served too (a cluster going away is seen)."""
+        while True:
+            self._poll(producer)
+            await asyncio.sleep(IDLE_POLL)
 
     async def connect(self) -> None:
         if self._producer is None:
@@ -329,11 +337,7 @@ class KafkaPublisher:
                 )
             except KafkaException as exc:
                 raise _config_error(exc, self.broker) from None
-            self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._serve, name="relay-kafka-poll", daemon=True
-            )
-            self._thread.start()
+            self._poller = asyncio.ensure_future(self._serve(self._producer))
         if self._down is None:
             return
         try:
@@ -356,10 +360,15 @@ class KafkaPublisher:
         # What is queued is released (its rows stay pending): nothing waits.
         with contextlib.suppress(KafkaException):
             producer.purge(in_queue=True, in_flight=False, blocking=False)
-        await asyncio.to_thread(producer.flush, 1.0)
-        self._stop.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 2.0)
+        deadline = time.monotonic() + 1.0
+        while len(producer) and time.monotonic() < deadline:
+            self._poll(producer)
+            await asyncio.sleep(0.01)
+        self._poll(producer)
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
 
     async def _check_topics(self, topics: set[str]) -> dict[str, PublishResult]:
         """The topics not known yet looked up in the cluster's metadata (no
@@ -456,16 +465,22 @@ class KafkaPublisher:
                 return self._result(exc.args[0], record)
 
     async def _delivered(self, producer: Producer, batch: _Batch) -> None:
-        """Wait for every delivery report. If the cluster becomes unreachable
-        meanwhile, the records still queued are purged (never sent: released)."""
-        while True:
-            try:
-                await asyncio.wait_for(asyncio.shield(batch.future), 0.5)
-                return
-            except TimeoutError:
+        """Wait for every delivery report, polling for them. If the cluster
+        becomes unreachable meanwhile, the records still queued are purged
+        (never sent: released)."""
+        checked = time.monotonic()
+        while not batch.future.done():
+            self._poll(producer)
+            if batch.future.done():
+                break
+            await asyncio.sleep(BUSY_POLL)
+            now = time.monotonic()
+            if now - checked >= 0.5:
+                checked = now
                 if self._down is not None and self._producer is producer:
                     with contextlib.suppress(KafkaException):
                         producer.purge(in_queue=True, in_flight=False, blocking=False)
+        await batch.future
 
     def _result(
         self, error: KafkaError | bool | None, record: Record | None = None
