@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Callable
 
 import orjson
+import pytest
 import sqlalchemy as sa
 
 from relay.claimcheck import pointer_body
@@ -46,6 +47,7 @@ def start_inbox(
     return proc
 
 
+@pytest.mark.timeout(300)
 def test_both_daemons_wire_format_and_order(
     effects: sa.Engine,  # noqa: F811
     kafka: Kafka,

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import orjson
+import pytest
 import sqlalchemy as sa
 
 import relay
@@ -79,6 +80,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.timeout(300)
 def test_hostile_records_are_dead_rows_their_offsets_committed_and_the_canaries_handled(
     effects: sa.Engine, kafka: Kafka, start_relay
 ):
@@ -122,6 +124,7 @@ def test_a_redelivered_record_is_a_duplicate(effects: sa.Engine, kafka: Kafka, s
     daemon.stop()
 
 
+@pytest.mark.timeout(300)
 def test_two_inboxes_share_the_partitions_and_a_kill_9_loses_nothing(
     effects: sa.Engine, kafka: Kafka, start_relay
 ):
@@ -191,6 +194,7 @@ def test_batch_handlers_and_the_lag_metric(effects: sa.Engine, kafka: Kafka, sta
     daemon.stop()
 
 
+@pytest.mark.timeout(300)
 def test_a_cluster_cut_off_counts_no_attempt_readyz_says_so_and_publishing_resumes(
     engine: sa.Engine, kafka: Kafka, start_relay
 ):
