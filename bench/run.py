@@ -726,6 +726,22 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
             0,
             " msgs",
         )
+    # Issue 46: Kafka (bench.kafka).
+    check("46: outbox to Kafka / serial floor", g("kafka", "outbox_over_floor"), ">=", 0.4, "x")
+    check(
+        "46: outbox to Kafka / RabbitMQ drain",
+        g("kafka", "outbox_over_rabbitmq_drain"),
+        ">=",
+        1.5,
+        "x",
+    )
+    check(
+        "46: inbox (batch handler) / Kafka drain",
+        g("kafka", "inbox_batch_over_drain"),
+        ">=",
+        0.8,
+        "x",
+    )
     return checks
 
 
