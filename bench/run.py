@@ -77,6 +77,7 @@ from bench.harness import (
     metrics,
     wait_metric,
 )
+from bench.kafka import scenario_kafka
 from bench.naive import run_naive
 from bench.pgserver import own_postgres
 from bench.reference import (
@@ -571,6 +572,7 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "sqs_ref": scenario_sqs_ref,
     "latency_offered": scenario_latency_offered,
     "multi": scenario_multi,
+    "kafka": scenario_kafka,
 }
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
@@ -724,6 +726,22 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
             0,
             " msgs",
         )
+    # Issue 46: Kafka (bench.kafka).
+    check("46: outbox to Kafka / serial floor", g("kafka", "outbox_over_floor"), ">=", 0.4, "x")
+    check(
+        "46: outbox to Kafka / RabbitMQ drain",
+        g("kafka", "outbox_over_rabbitmq_drain"),
+        ">=",
+        1.5,
+        "x",
+    )
+    check(
+        "46: inbox (batch handler) / Kafka drain",
+        g("kafka", "inbox_batch_over_drain"),
+        ">=",
+        0.8,
+        "x",
+    )
     return checks
 
 

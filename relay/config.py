@@ -55,7 +55,15 @@ def redact_url(url: str) -> str:
     return _redact_one(url)
 
 
+# Query parameters that hold a secret (kafka://…?ssl.key.password=…).
+_SECRET_PARAM = re.compile(r"(?<=[?&])([^=&]*password[^=&]*)=[^&]*", re.IGNORECASE)
+
+
 def _redact_one(url: str) -> str:
+    if "?" in url:
+        head, _, query = url.partition("?")
+        if _SECRET_PARAM.search("?" + query):
+            url = head + _SECRET_PARAM.sub(r"\1=***", "?" + query)
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
@@ -212,19 +220,29 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
         "--bind": "--bind applies to RabbitMQ only: an SQS queue receives what is sent to it "
         "(subscribe it to an SNS topic to fan out)",
     },
+    "kafka": dict.fromkeys(
+        ("--queue-type", "--queue-arg", "--bind"),
+        "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Kafka "
+        "consumer reads the topics --queue lists",
+    ),
 }
 
 
 @dataclass(frozen=True)
 class BrokerURL:
-    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ or `sqs://…` for SQS."""
+    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS
+    or `kafka(s)://…` for Kafka."""
 
     url: str
-    kind: str  # "amqp" or "sqs"
+    kind: str  # "amqp", "sqs" or "kafka"
     sqs_region: str | None = None
     sqs_endpoint_url: str | None = None
     # RabbitMQ: the nodes to try, in order (`url` may list several).
     nodes: tuple[str, ...] = ()
+    # Kafka: the librdkafka client properties the URL gives (bootstrap
+    # servers, security protocol, SASL and the query's own), relay's own
+    # settings not included (relay.brokers.kafka adds them).
+    kafka: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, url: str | None) -> BrokerURL:
@@ -245,6 +263,8 @@ class BrokerURL:
     def _parse_one(cls, url: str) -> BrokerURL:
         if not url:
             raise ConfigError("invalid broker URL: an empty URL in the list")
+        if url.partition("://")[0] in ("kafka", "kafkas"):  # HOST:PORT,HOST:PORT
+            return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -261,6 +281,8 @@ class BrokerURL:
             if parts.scheme == "amqps":
                 _check_tls_files(url, urllib.parse.parse_qs(parts.query))
             return cls(url=url, kind="amqp", nodes=(url,))
+        if parts.scheme in ("kafka", "kafkas"):
+            return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
         if parts.scheme == "sqs":
             query = urllib.parse.parse_qs(parts.query)
             unknown = set(query) - {"region", "endpoint_url"}
@@ -282,11 +304,130 @@ class BrokerURL:
             )
         raise ConfigError(
             f"unsupported broker URL scheme {parts.scheme or redact_url(url)!r}: "
-            "use amqp://user:pass@host:port/vhost or sqs://"
+            "use amqp://user:pass@host:port/vhost, sqs:// or kafka://host:port"
         )
 
     def __repr__(self) -> str:  # never leak the password through a repr
         return f"BrokerURL({redact_url(self.url)!r})"
+
+
+# --------------------------------------------------------------------------
+# kafka:// and kafkas://
+# --------------------------------------------------------------------------
+
+KAFKA_EXTRA = "pip install 'relay-outbox[kafka]'"
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+# Properties relay's guarantees rest on: the values they may take (the first
+# is what relay sets), and why. Anything else set against them: exit 2.
+KAFKA_FIXED: dict[str, tuple[tuple[str, ...], str]] = {
+    "enable.idempotence": (("true",), "the producer must be idempotent: no duplicate, no reorder"),
+    "acks": (("all", "-1"), "a row is published only once every in-sync replica has it"),
+    "partitioner": (
+        ("murmur2_random", "murmur2"),
+        "a key's partition must be the one Java's clients pick (murmur2)",
+    ),
+    "allow.auto.create.topics": (("false",), "relay never creates topics"),
+    "enable.auto.commit": (("false",), "offsets are committed only behind committed rows"),
+    "enable.auto.offset.store": (("false",), "offsets are stored only behind committed rows"),
+    "auto.offset.reset": (
+        ("earliest", "smallest", "beginning"),
+        "a new group starts at the earliest offset",
+    ),
+    "isolation.level": (("read_committed",), "the inbox reads only committed records"),
+    "partition.assignment.strategy": (
+        ("range,roundrobin", "range", "roundrobin"),
+        "relay commits by hand, which the cooperative assignor breaks: librdkafka #4059",
+    ),
+    "enable.ssl.certificate.verification": (
+        ("true",),
+        "kafkas:// verifies the brokers' certificates",
+    ),
+    "ssl.endpoint.identification.algorithm": (
+        ("https",),
+        "kafkas:// verifies the brokers' host names",
+    ),
+}
+# Properties the URL itself or relay's flags give.
+_KAFKA_FROM_URL = {
+    "bootstrap.servers": "list the brokers as kafka://HOST:PORT,HOST:PORT",
+    "metadata.broker.list": "list the brokers as kafka://HOST:PORT,HOST:PORT",
+    "security.protocol": "kafka:// is plain text and kafkas:// TLS; a user and password add SASL",
+    "sasl.username": "give SASL credentials as kafka://USER:PASSWORD@HOST:PORT",
+    "sasl.password": "give SASL credentials as kafka://USER:PASSWORD@HOST:PORT",
+    "group.id": "the consumer group is --consumer-name",
+    "transactional.id": "relay's producer is idempotent, not transactional",
+}
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::([0-9]{1,5}))?$")
+
+
+def parse_kafka_url(url: str) -> tuple[tuple[str, str], ...]:
+    """`kafka(s)://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][?PROPERTY=VALUE&…]`
+    as librdkafka properties, or ConfigError naming what is wrong."""
+    shown = redact_url(url)
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    rest = rest.rstrip("/")
+    userinfo, at, hosts = rest.rpartition("@")
+    if "/" in hosts:
+        raise ConfigError(f"invalid broker URL {shown!r}: a Kafka URL has no path")
+    servers = []
+    for host in hosts.split(","):
+        match = _HOST_PORT.match(host.strip())
+        if not match:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: expected HOST:PORT[,HOST:PORT…], not "
+                f"{host.strip()!r}"
+            )
+        port = int(match.group(2) or 9092)
+        if not 0 < port < 65536:
+            raise ConfigError(f"invalid broker URL {shown!r}: bad port {port}")
+        servers.append(f"{match.group(1)}:{port}")
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as exc:
+        raise ConfigError(f"invalid broker URL {shown!r}: {exc}") from None
+    given = dict(pairs)
+    for name, value in given.items():
+        if name in _KAFKA_FROM_URL:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: {name} is not a URL parameter: "
+                f"{_KAFKA_FROM_URL[name]}"
+            )
+        fixed = KAFKA_FIXED.get(name)
+        if fixed is not None and value.strip().lower() not in fixed[0]:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: {name}={value} is against relay's guarantees "
+                f"({fixed[1]}); leave it out"
+            )
+    tls = scheme == "kafkas"
+    sasl = bool(at) or "sasl.mechanism" in given or "sasl.mechanisms" in given
+    config = {
+        "bootstrap.servers": ",".join(servers),
+        "security.protocol": ("SASL_" if sasl else "") + ("SSL" if tls else "PLAINTEXT"),
+    }
+    if at:
+        user, _, password = userinfo.partition(":")
+        mechanism = given.pop("sasl.mechanism", given.pop("sasl.mechanisms", "PLAIN"))
+        if mechanism.upper() not in SASL_MECHANISMS:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: sasl.mechanism {mechanism!r} does not take a "
+                f"user and password; use {', '.join(SASL_MECHANISMS)}"
+            )
+        config["sasl.mechanism"] = mechanism.upper()
+        config["sasl.username"] = urllib.parse.unquote(user)
+        config["sasl.password"] = urllib.parse.unquote(password)
+    for name in ("ssl.ca.location",):
+        path = given.get(name)
+        if path and path != "probe" and not os.path.exists(os.path.expanduser(path)):
+            raise ConfigError(f"invalid broker URL {shown!r}: {name} {path!r}: no such file")
+    config.update(given)
+    try:
+        import confluent_kafka  # noqa: F401 - the optional extra
+    except ImportError:
+        raise ConfigError(
+            f"{scheme}:// needs the Kafka client, which is not installed: {KAFKA_EXTRA}"
+        ) from None
+    return tuple(config.items())
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
@@ -424,6 +565,7 @@ class DaemonSettings:
         found = [url_password(self.database_url), url_password(self.listen_url)]
         if self.broker:
             found.extend(url_passwords(self.broker.url))
+            found.extend(v for n, v in self.broker.kafka if "password" in n and len(v) > 2)
         return [s for s in found if s]
 
     def replace(self, **changes: object) -> DaemonSettings:
@@ -489,8 +631,13 @@ class InboxSettings(DaemonSettings):
         ):
             if given and option in refused:
                 raise ConfigError(refused[option])
+        kafka = self.broker is not None and self.broker.kind == "kafka"
+        if kafka and not all(t.strip() for t in self.queue.split(",")):
+            raise ConfigError(f"invalid --queue {self.queue!r}: list Kafka topics as TOPIC,TOPIC")
         if not self.consumer_name:
-            object.__setattr__(self, "consumer_name", self.queue)
+            # Kafka: the consumer group (and dedup scope) is the first topic's name.
+            first = self.queue.split(",")[0].strip() if kafka else self.queue
+            object.__setattr__(self, "consumer_name", first)
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
 

@@ -45,7 +45,7 @@ import bisect
 import collections
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -320,5 +320,30 @@ class InboxMetrics:
         )
         self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r)
 
+    def watch(self, receiver: Any) -> None:
+        """Show the receiver's `readings` (relay.brokers.Reading: figures its
+        consumer measures on the broker, such as relay_inbox_kafka_lag) as
+        gauges, as they are at each scrape."""
+        self.registry.register(_Readings(receiver))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Readings:
+    """A collector of a receiver's broker readings (InboxMetrics.watch)."""
+
+    def __init__(self, receiver: Any) -> None:
+        self.receiver = receiver
+
+    def describe(self) -> list[Any]:
+        return []  # known only at a scrape: never checked for clashes up front
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        for reading in getattr(self.receiver, "readings", None) or ():
+            family = GaugeMetricFamily(reading.name, reading.help, labels=list(reading.labels))
+            for labels, value in reading.values:
+                family.add_metric(list(labels), value)
+            yield family

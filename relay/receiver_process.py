@@ -36,7 +36,7 @@ from pathlib import Path
 
 from relay import logs
 from relay.backoff import until_available
-from relay.brokers import Consumer
+from relay.brokers import Consumer, Reading
 from relay.db.connect import password_command, use_password_command
 from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
@@ -48,6 +48,8 @@ log = logging.getLogger("relay.inbox")
 # The child says it is alive (and whether it is connected) this often; a
 # child silent for STALL_AFTER (relay.lifecycle) makes the daemon unhealthy.
 ALIVE_INTERVAL = 1.0
+# How often the consumer's readings (relay.brokers.Reading) are taken.
+READINGS_INTERVAL = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class LocalReceiver:
             batch_size=parts.batch_size,
             stage=parts.stage() if parts.stage is not None else None,
         )
+        # The consumer's figures on its broker (relay.brokers.Reading), for /metrics.
+        self.readings: list[Reading] = []
+        self.on_readings: Callable[[list[Reading]], None] | None = None
         self.stopping = self.receiver.stopping
 
     @property
@@ -97,7 +102,27 @@ class LocalReceiver:
         )
 
     async def run(self) -> None:
-        await self.receiver.run()
+        watch = asyncio.ensure_future(self._watch_readings())
+        try:
+            await self.receiver.run()
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
+    async def _watch_readings(self) -> None:
+        """Ask the consumer for its readings every READINGS_INTERVAL, if it has any."""
+        measure = getattr(self.consumer, "readings", None)
+        if measure is None:
+            return
+        while True:
+            try:
+                self.readings = await measure()
+            except Exception as exc:  # noqa: BLE001 - a figure missing is no reason to stop
+                log.debug("cannot read the broker's figures: %r", exc)
+            else:
+                if self.on_readings is not None:
+                    self.on_readings(self.readings)
+            await asyncio.sleep(READINGS_INTERVAL)
 
     def stop(self) -> None:
         self.receiver.stop()
@@ -146,6 +171,13 @@ class Stored:
 
 
 @dataclass(frozen=True)
+class Readings:
+    """The consumer's latest readings on its broker (relay.brokers.Reading)."""
+
+    readings: list[Reading]
+
+
+@dataclass(frozen=True)
 class ConfigProblem:
     """The child met a ConfigError (the parent raises it): the daemon exits 2."""
 
@@ -153,7 +185,7 @@ class ConfigProblem:
 
 
 ToChild = Start | Lead | Stop
-ToParent = Alive | Stored | ConfigProblem
+ToParent = Alive | Stored | Readings | ConfigProblem
 
 
 def _send(writer: asyncio.StreamWriter, message: ToChild | ToParent) -> None:
@@ -189,6 +221,7 @@ class ReceiverProcess:
         self.stopping = asyncio.Event()
         self.connected = False
         self.last_alive = time.monotonic()
+        self.readings: list[Reading] = []  # the child's consumer's, for /metrics
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -250,6 +283,8 @@ class ReceiverProcess:
             self.report(
                 message.received, message.new, message.dead, message.fetched, message.fetched_bytes
             )
+        elif isinstance(message, Readings):
+            self.readings = message.readings
         elif isinstance(message, ConfigProblem):
             raise ConfigError(message.text)
         return True
@@ -322,7 +357,9 @@ async def _child(fd: int) -> int:
         _send(writer, Stored(received, new, dead, fetched, fetched_bytes))
 
     try:
-        await _receive_until_stopped(LocalReceiver(start.parts, gate, report), reader, writer, gate)
+        local = LocalReceiver(start.parts, gate, report)
+        local.on_readings = lambda readings: _send(writer, Readings(readings))
+        await _receive_until_stopped(local, reader, writer, gate)
         return 0
     except ConfigError as exc:
         _send(writer, ConfigProblem(str(exc)))

@@ -28,7 +28,6 @@ from relay.config import DaemonSettings, InboxSettings, OutboxSettings
 from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
 from relay.db.connect import check_tls
 from relay.db.writer import InboxWriter
-from relay.errors import Unavailable
 from relay.handlers import HandlerRegistry, is_async
 from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
 from relay.lifecycle import STALL_AFTER, Daemon, Service, Started, run_together
@@ -166,10 +165,8 @@ def outbox_service(
                 return True
             probe = outbox_publisher(settings)
             try:
-                await probe.connect()
+                await probe.connect()  # Unavailable: /readyz says why
                 return True
-            except Unavailable:
-                return False
             finally:
                 await probe.close()
 
@@ -282,6 +279,7 @@ def receiver_parts(settings: InboxSettings, consumer: Consumer | None = None) ->
             prefetch=settings.prefetch,
             queue_type=settings.queue_type,
             queue_args=settings.queue_args,
+            consumer_name=settings.consumer_name,
         )
     else:
         given = consumer
@@ -348,6 +346,7 @@ def inbox_service(
         if receiver_process
         else LocalReceiver(parts, pace, stored)
     )
+    metrics.watch(receiver)  # the consumer's readings (relay_inbox_kafka_lag)
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(fn) for fn in registry.functions())

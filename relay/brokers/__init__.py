@@ -89,6 +89,19 @@ class Incoming:
     content_type: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A figure a consumer measures on its broker, for /metrics as a gauge
+    (relay_inbox_kafka_lag by topic and partition, say). A consumer that
+    has any has `async def readings(self) -> list[Reading]`; the layers
+    above show them as they are, knowing no broker."""
+
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    values: tuple[tuple[tuple[str, ...], float], ...]
+
+
 class Consumer(Protocol):
     """Receives messages in batches; acknowledges them after they are stored."""
 
@@ -182,6 +195,7 @@ class Adapter(Protocol):
         prefetch: int,
         queue_type: str | None,
         queue_args: Sequence[tuple[str, str | int]],
+        consumer_name: str,
     ) -> Consumer: ...
 
 
@@ -201,6 +215,7 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "amqp": Kind("relay.brokers.amqp", system="rabbitmq", topic_is_queue=False),
     "sqs": Kind("relay.brokers.sqs", system="aws_sqs", topic_is_queue=True),
+    "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True),
 }
 
 
@@ -234,6 +249,7 @@ def make_consumer(
     prefetch: int,
     queue_type: str | None = None,
     queue_args: Sequence[tuple[str, str | int]] = (),
+    consumer_name: str = "",
 ) -> Consumer:
     """The consumer of `queue` on `broker`."""
     return _adapter(broker).consumer(
@@ -244,4 +260,5 @@ def make_consumer(
         prefetch=prefetch,
         queue_type=queue_type,
         queue_args=queue_args,
+        consumer_name=consumer_name,
     )

@@ -855,6 +855,7 @@ def consumer(
     prefetch: int,
     queue_type: str | None,
     queue_args: Sequence[tuple[str, str | int]],
+    consumer_name: str,
 ) -> AmqpConsumer:
     return AmqpConsumer(
         broker.nodes or broker.url,

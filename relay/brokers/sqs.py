@@ -880,5 +880,6 @@ def consumer(
     prefetch: int,
     queue_type: str | None,
     queue_args: Sequence[tuple[str, str | int]],
+    consumer_name: str,
 ) -> SqsConsumer:
     return SqsConsumer(broker, queue=queue)

@@ -1,5 +1,5 @@
-"""The `port` fixture: each broker (RabbitMQ, SQS on moto's server, the
-memory broker) behind one small interface, for the contract suite.
+"""The `port` fixture: each broker (RabbitMQ, SQS on moto's server, Kafka
+on Tansu, the memory broker) behind one small interface, for the contract suite.
 
 The adapters run in the test's own process, built as relay builds them
 (make_publisher, make_consumer, MemoryBroker). Each helper knows where a
@@ -26,6 +26,7 @@ from relay.brokers.memory import MemoryBroker, Message
 from relay.config import BrokerURL
 from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, Rabbit
+from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
 from tests.proxy import Proxy
 from tests.sqs_server import REGION, Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 
@@ -332,14 +333,106 @@ class SqsPort:
         )
 
 
-Port = MemoryPort | AmqpPort | SqsPort
+class KafkaPort:
+    kind = "kafka"
+    # One partition: the suite reads back keyless rows in order too (the
+    # murmur2 partitions are tests/e2e/test_brokers.py's).
+    PARTITIONS = 1
+    RELAY_HEADERS = ("id", "type", "content-type")
+
+    def __init__(self, kafka: Kafka) -> None:
+        self.kafka = kafka
+        self.url = kafka.url()
+
+    def topic(self, base: str, *, ordered: bool = False) -> str:
+        return self.kafka.name(base)
+
+    async def destination(self, topic: str) -> str:
+        return self.kafka.create(topic, self.PARTITIONS)
+
+    def publisher(self, *, on_unroutable: str = "publish") -> Publisher:
+        return make_publisher(
+            BrokerURL.parse(self.url),
+            exchange="relay",
+            workers=WORKERS,
+            on_unroutable=on_unroutable,
+        )
+
+    async def read(self, dest: str, count: int) -> list[Received]:
+        got = []
+        for record in await asyncio.to_thread(self.kafka.read, dest, count):
+            headers = {n: v.decode() for n, v in record.headers() or []}
+            key = record.key()
+            got.append(
+                Received(
+                    record.value(),
+                    headers.get("id"),
+                    headers.get("type"),
+                    key.decode() if key is not None else None,
+                    {n: v for n, v in headers.items() if n not in self.RELAY_HEADERS},
+                    record,
+                )
+            )
+        assert len(got) == count, f"{len(got)} records in {dest}, not {count}"
+        return got
+
+    async def refuse(self, publisher: Publisher, topic: str) -> str:
+        return self.kafka.name("refused")  # a topic that does not exist
+
+    async def inbox_queue(self) -> str:
+        return self.kafka.topic("in", 2)
+
+    def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
+        return make_consumer(
+            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+        )
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        pairs = [("id", message_id), ("type", type), *(headers or {}).items()]
+        await asyncio.to_thread(
+            self.kafka.produce,
+            queue,
+            body,
+            key=key.encode() if key is not None else None,
+            headers=[(n, v.encode()) for n, v in pairs if v is not None],
+            partition=0,
+        )
+
+    def fallback_type(self, queue: str) -> str:
+        return queue  # the topic
+
+    def go_down(self) -> None:
+        self.kafka.proxy.stop()
+
+    def come_back(self) -> None:
+        self.kafka.proxy.start()
+
+    def unreachable(self) -> Publisher:
+        return make_publisher(
+            BrokerURL.parse("kafka://app:s3cret@127.0.0.1:1"), exchange="relay", workers=WORKERS
+        )
 
 
-@pytest.fixture(params=["memory", "amqp", "sqs"])
+Port = MemoryPort | AmqpPort | SqsPort | KafkaPort
+
+
+@pytest.fixture(params=["memory", "amqp", "sqs", "kafka"])
 def port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Port]:
-    """One broker of the three, for a test written once."""
+    """One broker of the four, for a test written once."""
     if request.param == "memory":
         yield MemoryPort()
+        return
+    if request.param == "kafka":  # its proxy is the broker's own (tests/kafka_server.py)
+        yield KafkaPort(request.getfixturevalue("kafka"))
         return
     if request.param == "amqp":
         rabbit = request.getfixturevalue("rabbit")
@@ -361,4 +454,14 @@ def memory_broker() -> Iterator[MemoryBroker]:
     yield MemoryBroker()
 
 
-__all__ = ["Message", "Port", "Received", "memory_broker", "port", "sqs", "sqs_server"]
+__all__ = [
+    "Message",
+    "Port",
+    "Received",
+    "kafka",
+    "kafka_server",
+    "memory_broker",
+    "port",
+    "sqs",
+    "sqs_server",
+]

@@ -18,7 +18,7 @@ import pytest
 from relay.brokers import Incoming, Outcome
 from relay.errors import BrokerUnavailable
 from relay.rows import Failure, OutboxRow
-from tests.brokers.conftest import AmqpPort, Port, SqsPort
+from tests.brokers.conftest import AmqpPort, KafkaPort, Port, SqsPort
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -94,6 +94,12 @@ async def test_a_batch_is_confirmed_row_by_row_carrying_id_type_key_and_headers(
         assert set(attrs) == {"message_id", "type", "key", "headers"}
         assert attrs["headers"]["StringValue"] == '{"traceparent":"00-abc-def-01"}'
         assert set(got[plain.id].raw["MessageAttributes"]) == {"message_id"}
+    if isinstance(port, KafkaPort):  # the id, type and content-type headers, the timestamp
+        record = got[full.id].raw
+        assert [n for n, _ in record.headers()] == ["id", "type", "content-type", "traceparent"]
+        assert dict(record.headers())["content-type"] == b"application/json"
+        assert record.timestamp()[1] == int(CREATED.timestamp() * 1000)
+        assert [n for n, _ in got[plain.id].raw.headers()] == ["id", "content-type"]
 
 
 async def test_a_keys_messages_arrive_in_the_order_of_the_batch(port: Port):
@@ -142,6 +148,10 @@ async def test_an_unroutable_message_is_reported_not_lost_silently(port: Port):
         assert results[1] is None
         if isinstance(port, SqsPort):  # a missing queue: never published
             assert results[0] == Failure(f"SQS queue {nowhere!r} does not exist")
+        elif isinstance(port, KafkaPort):  # a missing topic: an attempt, never created
+            assert isinstance(results[0], Failure) and not results[0].permanent
+            assert "does not exist" in results[0].error and repr(nowhere) in results[0].error
+            assert not port.kafka.exists(nowhere)
         elif on_unroutable == "publish":  # pub/sub: confirmed, counted as unroutable
             assert results[0] is Outcome.UNROUTABLE
         else:
@@ -234,11 +244,14 @@ async def test_a_received_message_carries_id_type_key_headers_and_the_type_fallb
         await consumer.ack(list(got.values()))
     finally:
         await consumer.close()
+    if isinstance(port, KafkaPort):  # no id: the record's own place in the log
+        got[None] = got.pop(f"kafka:{queue}:0:2")
     first, second, third = got["m-1"], got["m-2"], got[None]
     assert (first.body, first.type, first.key) == (b'{"n": 5}', "Effect", "order-5")
     assert first.headers.get("traceparent") == "00-aa-bb-01"
     assert (second.type, second.key) == (port.fallback_type(queue), None)
-    # Never an id of the broker's own (a delivery's, the SQS MessageId).
+    # Never an id of the broker's own (a delivery's, the SQS MessageId);
+    # on Kafka, the record's place (topic, partition, offset) is its identity.
     assert (third.body, third.type) == (b'{"n": 7}', "Effect")
 
 

@@ -1,0 +1,980 @@
+"""Apache Kafka through librdkafka (confluent-kafka): the outbox publisher
+and the inbox consumer.
+
+confluent-kafka's Producer and Consumer are synchronous handles on
+librdkafka's own threads. The publisher produces from the event loop (a
+produce() only queues the record) and a thread of its own serves the
+delivery reports (poll), which resolve one future per publish() call, as
+faststream does. The consumer runs librdkafka's consume loop in a thread of
+its own and hands batches to the event loop; offsets are committed by hand,
+only behind records whose rows are committed.
+
+What relay sets on each client, and why, is docs/kafka.md; the URL's
+properties (relay.config.parse_kafka_url) come first and relay's own
+settings last, so no property can undo them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from confluent_kafka import Consumer as RdConsumer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from relay.brokers import (
+    Incoming,
+    Outcome,
+    PublishResult,
+    Reading,
+    check_topic,
+    encode_failure,
+    row_body,
+    row_headers,
+)
+from relay.config import BrokerURL, redact_url
+from relay.errors import BadMessage, BrokerUnavailable, ConfigError
+from relay.rows import Failure, OutboxRow
+
+log = logging.getLogger(__name__)
+
+# relay's own producer settings: what its guarantees rest on (the URL may
+# repeat them, never change them: relay.config.KAFKA_FIXED).
+PRODUCER = {
+    "enable.idempotence": "true",
+    "acks": "all",
+    "partitioner": "murmur2_random",  # a key's partition is the one Java picks
+    "allow.auto.create.topics": "false",
+}
+# Defaults the URL may change.
+PRODUCER_DEFAULTS = {
+    "linger.ms": "5",
+    # A record not delivered in a minute is released (sent again later).
+    "message.timeout.ms": "60000",
+}
+CONSUMER = {
+    "enable.auto.commit": "false",
+    "enable.auto.offset.store": "false",
+    "auto.offset.reset": "earliest",
+    "isolation.level": "read_committed",
+    "allow.auto.create.topics": "false",
+    # Eager: cooperative-sticky with manual commits is librdkafka #4059.
+    "partition.assignment.strategy": "range,roundrobin",
+}
+CONSUMER_DEFAULTS: dict[str, str] = {}
+# Properties that belong to one side only: left out of the other's config.
+_CONSUMER_ONLY = set(CONSUMER) - {"allow.auto.create.topics"} | {
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "max.poll.interval.ms",
+    "fetch.min.bytes",
+    "fetch.wait.max.ms",
+    "fetch.max.bytes",
+    "max.partition.fetch.bytes",
+    "queued.min.messages",
+    "queued.max.messages.kbytes",
+    "group.instance.id",
+    "check.crcs",
+    "enable.partition.eof",
+}
+_PRODUCER_ONLY = set(PRODUCER) - {"allow.auto.create.topics"} | {
+    "linger.ms",
+    "queue.buffering.max.ms",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "batch.num.messages",
+    "batch.size",
+    "compression.type",
+    "compression.codec",
+    "compression.level",
+    "queue.buffering.max.messages",
+    "queue.buffering.max.kbytes",
+    "max.in.flight.requests.per.connection",
+    "max.in.flight",
+    "retries",
+    "message.send.max.retries",
+    "retry.backoff.ms",
+    "request.timeout.ms",
+    "enable.gapless.guarantee",
+    "sticky.partitioning.linger.ms",
+}
+CONNECT_TIMEOUT = 5.0
+# How often the producer's reports are polled for: while a batch waits, idle.
+BUSY_POLL = 0.001
+IDLE_POLL = 0.1
+# The outbox's first metadata request: short enough for /readyz's probe
+# (relay.lifecycle.PROBE_TIMEOUT, 2 s) to give the reason; a slower cluster
+# is only asked again, with backoff.
+PROBE_TIMEOUT = 1.5
+DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's message.max.bytes
+# Kafka topic names: letters, digits, . _ and -, at most 249.
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+# Records received and not yet acknowledged beyond which fetching pauses.
+MAX_HELD = 5000
+
+_UNREACHABLE = {
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TRANSPORT,
+    KafkaError._RESOLVE,
+    KafkaError._TIMED_OUT,
+    KafkaError._AUTHENTICATION,
+    KafkaError.SASL_AUTHENTICATION_FAILED,
+    KafkaError._SSL,
+}
+# Not written, or maybe written and not confirmed: pending again, no attempt.
+_RELEASE = {
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._PURGE_QUEUE,
+    KafkaError._PURGE_INFLIGHT,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+    KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError._DESTROY,
+}
+_TOO_LARGE = {KafkaError.MSG_SIZE_TOO_LARGE}
+_MISSING_TOPIC = {
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError._UNKNOWN_PARTITION,
+}
+_DENIED = {
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+}
+
+
+def client_config(
+    broker: BrokerURL, own: dict[str, str], defaults: dict[str, str]
+) -> dict[str, Any]:
+    """The URL's properties over the defaults, relay's own over both; the
+    other side's properties (a consumer's in a producer) left out."""
+    other = _CONSUMER_ONLY if own is PRODUCER else _PRODUCER_ONLY
+    given = {name: value for name, value in broker.kafka if name not in other}
+    return {**defaults, **given, **own}
+
+
+class _Librdkafka:
+    """librdkafka's own log lines (a connection refused on every reconnect)
+    at DEBUG: relay logs what they mean once (unreachable, back again)."""
+
+    def log(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+        log.debug(msg, *args)
+
+
+LIBRDKAFKA_LOG = _Librdkafka()
+
+
+def _where(broker: BrokerURL) -> str:
+    return redact_url(broker.url)
+
+
+def _describe(error: KafkaError) -> str:
+    return f"{error.name()}: {error.str()}"
+
+
+def _config_error(exc: KafkaException, broker: BrokerURL) -> ConfigError:
+    return ConfigError(f"invalid broker URL {_where(broker)!r}: {exc.args[0].str()}")
+
+
+# --------------------------------------------------------------------------
+# Outbox → Kafka
+# --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Record:
+    """One row as a Kafka record (the contract's wire format)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, str | bytes | None]]
+    timestamp: int  # milliseconds
+
+    @property
+    def size(self) -> int:
+        """Key, value and headers, as librdkafka counts them against message.max.bytes."""
+        return (
+            len(self.value)
+            + len(self.key or b"")
+            + sum(len(n.encode()) + len(v or b"") for n, v in self.headers)
+        )
+
+
+def build_record(row: OutboxRow) -> Record:
+    """The record for a row, or BadMessage saying why none can be."""
+    check_topic(row)
+    if not _TOPIC_NAME.match(row.topic) or row.topic in (".", ".."):
+        raise BadMessage(
+            f"topic {row.topic[:300]!r} is not a valid Kafka topic name "
+            "(1-249 letters, digits, . _ and -)"
+        )
+    headers: list[tuple[str, str | bytes | None]] = [("id", row.id.encode())]
+    if row.type:
+        headers.append(("type", row.type.encode()))
+    headers.append(("content-type", b"application/json"))
+    headers += [(name, value.encode()) for name, value in row_headers(row).items()]
+    headers += [(name, str(value).encode()) for name, value in row.attributes]
+    return Record(
+        topic=row.topic,
+        key=row.key.encode() if row.key is not None else None,
+        value=row_body(row),
+        headers=headers,
+        timestamp=int(row.created_at.timestamp() * 1000),
+    )
+
+
+class _Batch:
+    """The delivery reports of one publish() call, resolved on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, size: int) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.reports: list[KafkaError | bool | None] = [False] * size  # False: none yet
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.sealed = False
+
+    def callback(self, index: int) -> Callable[[KafkaError | None, Message], None]:
+        with self.lock:
+            self.waiting += 1
+
+        def delivered(error: KafkaError | None, _: Message) -> None:
+            self.reports[index] = error
+            with self.lock:
+                self.waiting -= 1
+                done = self.sealed and self.waiting == 0
+            if done:
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    self.loop.call_soon_threadsafe(self._finish)
+
+        return delivered
+
+    def seal(self) -> None:
+        """Every record is produced: the future resolves with the last report."""
+        with self.lock:
+            self.sealed = True
+            done = self.waiting == 0
+        if done:
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
+class KafkaPublisher:
+    """Produces outbox rows to the Kafka topics named by their topic."""
+
+    def __init__(self, broker: BrokerURL) -> None:
+        self.broker = broker
+        self.config = client_config(broker, PRODUCER, PRODUCER_DEFAULTS)
+        self.limit = int(self.config.get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES))
+        self._producer: Producer | None = None
+        self._poller: asyncio.Future[None] | None = None
+        self._down: str | None = "not connected yet"  # why the cluster is unreachable
+        self._topics: set[str] = set()  # known to exist
+        self._last_error: str | None = None  # librdkafka's last error report
+
+    @property
+    def connected(self) -> bool:
+        return self._producer is not None and self._down is None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the cluster is unreachable now, or None."""
+        return self._down
+
+    blocked: str | None = None  # Kafka throttles a producer; it never blocks one
+
+    async def wait_unblocked(self) -> None:
+        return
+
+    def _error(self, error: KafkaError) -> None:  # librdkafka's error_cb, in the poll thread
+        self._last_error = _describe(error)
+        if error.code() == KafkaError._ALL_BROKERS_DOWN or error.fatal():
+            if self._down is None:
+                log.warning("Kafka at %s is unreachable: %s", _where(self.broker), _describe(error))
+            self._down = _describe(error)
+        else:
+            log.debug("Kafka producer: %s", _describe(error))
+
+    def _poll(self, producer: Producer) -> None:
+        """Serve the delivery reports and errors that have arrived, on the
+        event loop's thread (no thread of its own: its callbacks fought the
+        loop for the interpreter lock)."""
+        try:
+            producer.poll(0)
+        except Exception:  # a callback's error: the reports go on
+            log.exception("serving Kafka delivery reports")
+
+    async def _serve(self, producer: Producer) -> None:
+        """While idle, errors are served too (a cluster going away is seen)."""
+        while True:
+            self._poll(producer)
+            await asyncio.sleep(IDLE_POLL)
+
+    async def connect(self) -> None:
+        if self._producer is None:
+            try:
+                self._producer = Producer(
+                    {**self.config, "error_cb": self._error, "logger": LIBRDKAFKA_LOG}
+                )
+            except KafkaException as exc:
+                raise _config_error(exc, self.broker) from None
+            self._poller = asyncio.ensure_future(self._serve(self._producer))
+        if self._down is None:
+            return
+        try:
+            await asyncio.to_thread(self._producer.list_topics, None, PROBE_TIMEOUT)
+        except KafkaException as exc:
+            # librdkafka's last error says more (`Connect to … failed: …`).
+            self._down = self._last_error or _describe(exc.args[0])
+            raise BrokerUnavailable(f"Kafka at {_where(self.broker)}: {self._down}") from None
+        if self._down != "not connected yet":
+            log.info("Kafka at %s is reachable again", _where(self.broker))
+        else:
+            log.info("connected to Kafka at %s", _where(self.broker))
+        self._down = None
+
+    async def close(self) -> None:
+        producer, self._producer = self._producer, None
+        self._down = "closed"
+        if producer is None:
+            return
+        # What is queued is released (its rows stay pending): nothing waits.
+        with contextlib.suppress(KafkaException):
+            producer.purge(in_queue=True, in_flight=False, blocking=False)
+        deadline = time.monotonic() + 1.0
+        while len(producer) and time.monotonic() < deadline:
+            self._poll(producer)
+            await asyncio.sleep(0.01)
+        self._poll(producer)
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+
+    async def _check_topics(self, topics: set[str]) -> dict[str, PublishResult]:
+        """The topics not known yet looked up in the cluster's metadata (no
+        client of relay's asks for a topic to be made): what a row of a
+        missing or forbidden one gets instead of a record."""
+        unknown = topics - self._topics
+        found: dict[str, PublishResult] = {}
+        producer = self._producer
+        assert producer is not None
+        for topic in unknown:
+            try:
+                metadata = await asyncio.to_thread(producer.list_topics, topic, CONNECT_TIMEOUT)
+            except KafkaException as exc:
+                self._down = _describe(exc.args[0])
+                raise BrokerUnavailable(f"Kafka at {_where(self.broker)}: {self._down}") from None
+            described = metadata.topics.get(topic)
+            error = described.error if described is not None else None
+            if described is None or (error is not None and error.code() in _MISSING_TOPIC):
+                found[topic] = Failure(
+                    f"Kafka topic {topic!r} does not exist (relay never creates topics)"
+                )
+            elif error is not None and error.code() in _DENIED:
+                found[topic] = Failure(
+                    f"Kafka refused topic {topic!r}: {_describe(error)} (check the ACLs)"
+                )
+            elif error is not None:
+                found[topic] = Failure(f"Kafka topic {topic!r}: {_describe(error)}")
+            else:
+                self._topics.add(topic)
+        return found
+
+    async def publish(self, rows: Sequence[OutboxRow]) -> list[PublishResult]:
+        await self.connect()
+        producer = self._producer
+        assert producer is not None
+        results: list[PublishResult] = [None] * len(rows)
+        held: set[str] = set()  # keys whose row failed here: their later rows wait
+        records: dict[int, Record] = {}
+        for index, row in enumerate(rows):
+            try:
+                records[index] = build_record(row)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, it is this row's
+                results[index] = encode_failure(exc)
+        by_topic = await self._check_topics({record.topic for record in records.values()})
+        batch = _Batch(asyncio.get_running_loop(), len(rows))
+        sent: list[int] = []
+        for index, row in enumerate(rows):
+            record = records.get(index)
+            if row.key is not None and row.key in held:
+                results[index] = Outcome.RELEASE
+                continue
+            if record is None:  # not encodable: dead, and its key's later rows wait
+                if row.key is not None:
+                    held.add(row.key)
+                continue
+            refused = by_topic.get(record.topic)
+            if refused is None and record.size > self.limit:
+                refused = self._too_large(record.size, self.limit, "message.max.bytes")
+            if refused is None:
+                refused = await self._produce(producer, record, batch.callback(index))
+                if refused is None:
+                    sent.append(index)
+            if refused is not None:
+                results[index] = refused
+                if row.key is not None:
+                    held.add(row.key)
+        batch.seal()
+        await self._delivered(producer, batch)
+        for index in sent:
+            results[index] = self._result(batch.reports[index], records[index])
+            report = batch.reports[index]
+            if isinstance(report, KafkaError) and report.code() in _MISSING_TOPIC:
+                self._topics.discard(rows[index].topic)  # deleted since: look it up again
+        return self._in_key_order(rows, results)
+
+    async def _produce(
+        self, producer: Producer, record: Record, callback: Callable[..., None]
+    ) -> PublishResult:
+        while True:
+            try:
+                producer.produce(
+                    record.topic,
+                    value=record.value,
+                    key=record.key,
+                    headers=record.headers,
+                    timestamp=record.timestamp,
+                    on_delivery=callback,
+                )
+                return None
+            except BufferError:  # librdkafka's queue is full: let it drain
+                await asyncio.sleep(0.005)
+            except KafkaException as exc:
+                callback(exc.args[0], None)  # balance the batch's count
+                return self._result(exc.args[0], record)
+
+    async def _delivered(self, producer: Producer, batch: _Batch) -> None:
+        """Wait for every delivery report, polling for them. If the cluster
+        becomes unreachable meanwhile, the records still queued are purged
+        (never sent: released)."""
+        checked = time.monotonic()
+        while not batch.future.done():
+            self._poll(producer)
+            if batch.future.done():
+                break
+            await asyncio.sleep(BUSY_POLL)
+            now = time.monotonic()
+            if now - checked >= 0.5:
+                checked = now
+                if self._down is not None and self._producer is producer:
+                    with contextlib.suppress(KafkaException):
+                        producer.purge(in_queue=True, in_flight=False, blocking=False)
+        await batch.future
+
+    def _result(
+        self, error: KafkaError | bool | None, record: Record | None = None
+    ) -> PublishResult:
+        if error is None:
+            return None
+        if error is False or error is True:
+            return Outcome.RELEASE
+        code = error.code()
+        if code in _TOO_LARGE:
+            size = record.size if record is not None else None
+            return self._too_large(size, self.limit, "the cluster's or message.max.bytes")
+        if code in _RELEASE:
+            if code == KafkaError._MSG_TIMED_OUT:
+                log.warning("a Kafka delivery timed out (%s): sent again later", error.str())
+            return Outcome.RELEASE
+        if code in _MISSING_TOPIC:
+            return Failure(
+                f"Kafka topic does not exist (relay never creates topics): {error.str()}"
+            )
+        if code in _DENIED:
+            return Failure(f"Kafka refused the record: {_describe(error)} (check the ACLs)")
+        return Failure(f"Kafka refused the record: {_describe(error)}")
+
+    @staticmethod
+    def _too_large(size: int | None, limit: int, what: str) -> Failure:
+        told = f"{size} bytes (value, key and headers)" if size is not None else "too large"
+        return Failure(f"record is {told}, over the {limit}-byte limit ({what})", permanent=True)
+
+    @staticmethod
+    def _in_key_order(
+        rows: Sequence[OutboxRow], results: list[PublishResult]
+    ) -> list[PublishResult]:
+        """After a key's row failed or was released, its later rows that were
+        not delivered wait too (released); one delivered after it is logged."""
+        failed: set[str] = set()
+        for row, result in zip(rows, results, strict=True):
+            if row.key is None:
+                continue
+            if row.key in failed and result is None:
+                log.warning(
+                    "a row of key %r reached Kafka after an earlier row of its key failed",
+                    row.key,
+                )
+            if result is not None:
+                failed.add(row.key)
+        return results
+
+
+# --------------------------------------------------------------------------
+# Kafka → inbox
+# --------------------------------------------------------------------------
+
+
+def _text(value: str | bytes | None) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return value.decode("utf-8", "surrogateescape")
+
+
+class Token(NamedTuple):
+    """A received record's place, and the assignment it came in (ack_token)."""
+
+    topic: str
+    partition: int
+    offset: int
+    epoch: int
+
+
+def to_incoming(message: Message, token: Token) -> Incoming:
+    """A record as the inbox sees it (the contract's mapping). Headers are
+    decoded leniently: invalid UTF-8 as surrogate escapes, which
+    relay.storable keeps in a dead row with the reason."""
+    topic, partition, offset = token.topic, token.partition, token.offset
+    given = message.headers() or []
+    pairs: list[tuple[str, Any]] = list(given.items() if isinstance(given, dict) else given)
+    headers: dict[str, Any] = {}
+    for name, value in pairs:  # a repeated name: the last, as Java's lastHeader()
+        headers[name] = _text(value)
+    message_id = headers.get("id") or headers.get("message_id") or None
+    raw_key = message.key()
+    return Incoming(
+        message_id=message_id
+        if isinstance(message_id, str)
+        else f"kafka:{topic}:{partition}:{offset}",
+        topic=topic,
+        key=_text(raw_key) if raw_key is not None else None,
+        type=headers.get("type") or topic,
+        body=message.value() or b"",
+        headers=headers,
+        ack_token=token,
+        original=lambda: {
+            "topic": topic,
+            "partition": partition,
+            "offset": offset,
+            "key": raw_key,
+            "headers": [list(pair) for pair in pairs],
+        },
+        content_type=headers.get("content-type"),
+    )
+
+
+@dataclass(slots=True)
+class _Partition:
+    """One assigned partition: the records handed out, in offset order."""
+
+    epoch: int
+    handed: deque[list[int]] = field(default_factory=deque)  # [offset, done]
+    committable: int | None = None  # the offset to commit next (last done + 1)
+    committed: int | None = None
+
+
+class KafkaConsumer:
+    """Consumes topics as a consumer group; commits only behind stored records."""
+
+    def __init__(
+        self, broker: BrokerURL, *, topics: Sequence[str], group: str, prefetch: int
+    ) -> None:
+        names = [t.strip() for t in topics if t.strip()]
+        if not names:
+            raise ConfigError("no Kafka topic: set --queue TOPIC[,TOPIC…]")
+        for name in names:
+            if not _TOPIC_NAME.match(name):
+                raise ConfigError(
+                    f"invalid --queue {name[:80]!r} for Kafka: topic names are 1-249 letters, "
+                    "digits, . _ and -"
+                )
+        self.broker = broker
+        self.topics = names
+        self.group = group or names[0]
+        self.config = client_config(broker, CONSUMER, CONSUMER_DEFAULTS)
+        self.config["group.id"] = self.group
+        self.max_held = max(MAX_HELD, prefetch)
+        self._consumer: RdConsumer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the partitions' state, between the threads
+        self._partitions: dict[tuple[str, int], _Partition] = {}
+        self._epoch = 0
+        self._held = 0
+        self._buffer: deque[Incoming] = deque()
+        self._arrived = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failure: BaseException | None = None
+        self._revoking = threading.Event()
+        self._acked = threading.Condition(self._lock)
+        # confluent-kafka serializes a consumer's calls: a commit from the
+        # event loop waits for the consume thread's consume() to return. So
+        # every call after subscribe() is the consume thread's: a commit when
+        # asked for (ack), the lag when asked for (readings).
+        self._commit_due = threading.Event()
+        self._lag_wanted: deque[Future[dict[tuple[str, int], int]]] = deque()
+        self.lag: dict[tuple[str, int], int] = {}
+
+    @property
+    def connected(self) -> bool:
+        return self._consumer is not None and self._failure is None
+
+    # -- connecting ----------------------------------------------------------
+
+    async def connect(self) -> None:
+        if self.connected:
+            return
+        await self.close()
+        self._failure = None
+        self._loop = asyncio.get_running_loop()
+        try:
+            consumer = RdConsumer(
+                {**self.config, "error_cb": self._error, "logger": LIBRDKAFKA_LOG}
+            )
+        except KafkaException as exc:
+            raise _config_error(exc, self.broker) from None
+        try:
+            metadata = await asyncio.to_thread(consumer.list_topics, None, CONNECT_TIMEOUT)
+        except KafkaException as exc:
+            await asyncio.to_thread(consumer.close)
+            raise BrokerUnavailable(
+                f"Kafka at {_where(self.broker)}: {_describe(exc.args[0])}"
+            ) from None
+        missing = [t for t in self.topics if t not in metadata.topics]
+        if missing:
+            await asyncio.to_thread(consumer.close)
+            raise BrokerUnavailable(
+                f"Kafka topic {missing[0]!r} does not exist at {_where(self.broker)}; relay "
+                "does not create topics: create it"
+            )
+        consumer.subscribe(self.topics, on_assign=self._assigned, on_revoke=self._revoked)
+        self._consumer = consumer
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._consume, name="relay-kafka-consume", daemon=True
+        )
+        self._thread.start()
+        log.info(
+            "consuming Kafka topics %s as group %r at %s",
+            ", ".join(self.topics),
+            self.group,
+            _where(self.broker),
+        )
+
+    async def close(self) -> None:
+        consumer, thread = self._consumer, self._thread
+        self._consumer, self._thread = None, None
+        self._stop.set()
+        with self._lock:
+            self._acked.notify_all()
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 10.0)
+        self._buffer.clear()
+        if consumer is not None:
+            await asyncio.to_thread(self._close, consumer)
+
+    def _close(self, consumer: RdConsumer) -> None:
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self._commit(consumer, asynchronous=False)
+        with contextlib.suppress(KafkaException, RuntimeError):
+            consumer.close()
+        with self._lock:
+            self._partitions.clear()
+            self._held = 0
+
+    # -- librdkafka's callbacks, in the consume thread -----------------------
+
+    def _error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._ALL_BROKERS_DOWN or error.fatal():
+            self._fail(BrokerUnavailable(f"Kafka at {_where(self.broker)}: {_describe(error)}"))
+        else:
+            log.debug("Kafka consumer: %s", _describe(error))
+
+    def _assigned(self, consumer: RdConsumer, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            self._epoch += 1
+            for tp in partitions:
+                self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch)
+        log.info(
+            "Kafka group %r assigned %s",
+            self.group,
+            ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions) or "nothing",
+        )
+
+    def _revoked(self, consumer: RdConsumer, partitions: list[TopicPartition]) -> None:
+        """Finish the work in hand (the records handed out are stored and
+        acknowledged, for a while at most), commit it, then let go."""
+        gone = {(tp.topic, tp.partition) for tp in partitions}
+        # Records buffered and not handed to the receiver yet are let go of
+        # first (their new owner reads them again), then the rest is waited for.
+        forgotten = threading.Event()
+        self._loop_call(self._forget, gone, forgotten)
+        forgotten.wait(5)
+        deadline = time.monotonic() + 30
+        with self._lock:
+            while (
+                any(self._partitions[p].handed for p in gone if p in self._partitions)
+                and not self._stop.is_set()
+                and time.monotonic() < deadline
+            ):
+                self._acked.wait(0.1)
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self._commit(consumer, asynchronous=False, only=gone)
+        with self._lock:
+            for key in gone:
+                state = self._partitions.pop(key, None)
+                if state is not None:
+                    self._held -= len(state.handed)
+        log.info(
+            "Kafka group %r revoked %s",
+            self.group,
+            ", ".join(f"{t}[{p}]" for t, p in sorted(gone)) or "nothing",
+        )
+
+    def _forget(self, gone: set[tuple[str, int]], done: threading.Event) -> None:
+        """Drop the buffered records of revoked partitions (on the loop):
+        their new owner reads them from the committed offset."""
+        dropped: dict[tuple[str, int], set[int]] = {}
+        kept: deque[Incoming] = deque()
+        for message in self._buffer:
+            token = message.ack_token
+            assert isinstance(token, Token)
+            if (token.topic, token.partition) in gone:
+                dropped.setdefault((token.topic, token.partition), set()).add(token.offset)
+            else:
+                kept.append(message)
+        self._buffer = kept
+        with self._lock:
+            for key, offsets in dropped.items():
+                state = self._partitions.get(key)
+                if state is not None:
+                    before = len(state.handed)
+                    state.handed = deque(e for e in state.handed if e[0] not in offsets)
+                    self._held -= before - len(state.handed)
+            self._acked.notify_all()
+        done.set()
+
+    def _consume(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        paused = False
+        while not self._stop.is_set():
+            while self._lag_wanted:
+                wanted = self._lag_wanted.popleft()
+                wanted.set_result(self.measure_lag(consumer))
+            try:
+                if self._commit_due.is_set():
+                    self._commit_due.clear()
+                    self._commit(consumer, asynchronous=True)
+                if self._held >= self.max_held and not paused:
+                    consumer.pause(consumer.assignment())
+                    paused = True
+                elif paused and self._held < self.max_held // 2:
+                    consumer.resume(consumer.assignment())
+                    paused = False
+                messages = consumer.consume(500, 0.1)
+            except (KafkaException, RuntimeError) as exc:
+                self._fail(BrokerUnavailable(f"Kafka consumer of {', '.join(self.topics)}: {exc}"))
+                return
+            if not messages:
+                continue
+            got: list[Incoming] = []
+            with self._lock:
+                for message in messages:
+                    error = message.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            continue
+                        if error.code() in _MISSING_TOPIC or error.fatal():
+                            self._fail(
+                                BrokerUnavailable(
+                                    f"Kafka consumer of {message.topic()!r}: {_describe(error)}"
+                                )
+                            )
+                        else:
+                            log.warning("Kafka consumer: %s", _describe(error))
+                        continue
+                    token = Token(
+                        message.topic() or "", message.partition() or 0, message.offset() or 0, 0
+                    )
+                    state = self._partitions.get((token.topic, token.partition))
+                    if state is None:  # revoked meanwhile
+                        continue
+                    state.handed.append([token.offset, 0])
+                    self._held += 1
+                    got.append(to_incoming(message, token._replace(epoch=state.epoch)))
+            if got:
+                self._loop_call(self._deliver, got)
+
+    def _loop_call(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(fn, *args)
+
+    def _deliver(self, got: list[Incoming]) -> None:
+        self._buffer.extend(got)
+        self._arrived.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+            log.warning("%s", exc)
+        self._loop_call(self._arrived.set)
+
+    # -- the event loop's side ------------------------------------------------
+
+    async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.connect()
+            batch: list[Incoming] = []
+            deadline = 0.0
+            while len(batch) < max_size and self._failure is None:
+                if self._buffer:
+                    if not batch:
+                        deadline = loop.time() + max_wait
+                    batch.append(self._buffer.popleft())
+                    continue
+                timeout = None
+                if batch:
+                    timeout = deadline - loop.time()
+                    if timeout <= 0:
+                        break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), timeout)
+                except TimeoutError:
+                    break
+            if batch:
+                yield batch  # any failure shows on the next round
+                continue
+            failure = self._failure
+            await self.close()
+            if isinstance(failure, BrokerUnavailable):
+                raise failure
+            raise BrokerUnavailable(f"Kafka consumer stopped: {failure!r}") from failure
+
+    async def ack(self, batch: Sequence[Incoming]) -> None:
+        """The batch's rows are committed: each partition's offset moves to
+        just after its last record whose row, and every earlier one's, is."""
+        if not batch:
+            return
+        with self._lock:
+            for message in batch:
+                token = message.ack_token
+                assert isinstance(token, Token)
+                state = self._partitions.get((token.topic, token.partition))
+                if state is None or state.epoch != token.epoch:
+                    continue  # revoked since: its new owner reads it again (a duplicate)
+                for entry in state.handed:
+                    if entry[0] == token.offset:
+                        entry[1] = 1
+                        break
+                while state.handed and state.handed[0][1]:
+                    state.committable = state.handed.popleft()[0] + 1
+                    self._held -= 1
+            self._acked.notify_all()
+        if self._consumer is None:
+            raise BrokerUnavailable("Kafka consumer closed before the batch was committed")
+        self._commit_due.set()  # by the consume thread, at once (close() commits the rest)
+
+    def _commit(
+        self, consumer: RdConsumer, *, asynchronous: bool, only: set[tuple[str, int]] | None = None
+    ) -> None:
+        with self._lock:
+            offsets = [
+                TopicPartition(topic, partition, state.committable)
+                for (topic, partition), state in self._partitions.items()
+                if state.committable is not None
+                and state.committable != state.committed
+                and (only is None or (topic, partition) in only)
+            ]
+            for tp in offsets:
+                self._partitions[(tp.topic, tp.partition)].committed = tp.offset
+        if offsets and asynchronous:
+            consumer.commit(offsets=offsets, asynchronous=True)
+        elif offsets:
+            consumer.commit(offsets=offsets, asynchronous=False)
+
+    # -- the lag metric ---------------------------------------------------------
+
+    async def readings(self) -> list[Reading]:
+        lag = self.lag
+        if self._thread is not None and self._thread.is_alive():
+            wanted: Future[dict[tuple[str, int], int]] = Future()
+            self._lag_wanted.append(wanted)
+            with contextlib.suppress(TimeoutError):
+                lag = await asyncio.wait_for(asyncio.wrap_future(wanted), 30)
+        return [
+            Reading(
+                "relay_inbox_kafka_lag",
+                "Records between the consumer group's committed offset and the partition's end",
+                ("topic", "partition"),
+                tuple(
+                    ((topic, str(partition)), float(n))
+                    for (topic, partition), n in sorted(lag.items())
+                ),
+            )
+        ]
+
+    def measure_lag(self, consumer: RdConsumer) -> dict[tuple[str, int], int]:
+        """relay_inbox_kafka_lag: by (topic, partition) assigned here, the
+        records between the group's committed offset and the partition's end
+        (in the consume thread)."""
+        found: dict[tuple[str, int], int] = {}
+        try:
+            assigned = consumer.assignment()
+            committed = consumer.committed(assigned, timeout=CONNECT_TIMEOUT) if assigned else []
+            for tp in committed:
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=CONNECT_TIMEOUT, cached=False
+                )
+                start = tp.offset if tp.offset >= 0 else low
+                found[(tp.topic, tp.partition)] = max(0, high - start)
+        except (KafkaException, RuntimeError) as exc:
+            log.debug("cannot measure the Kafka lag: %s", exc)
+            return self.lag
+        self.lag = found
+        return found
+
+
+# The factory's entry points (relay.brokers.KINDS).
+def publisher(
+    broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str
+) -> KafkaPublisher:
+    return KafkaPublisher(broker)
+
+
+def consumer(
+    broker: BrokerURL,
+    *,
+    queue: str,
+    exchange: str,
+    binds: Sequence[str],
+    prefetch: int,
+    queue_type: str | None,
+    queue_args: Sequence[tuple[str, str | int]],
+    consumer_name: str,
+) -> KafkaConsumer:
+    return KafkaConsumer(broker, topics=queue.split(","), group=consumer_name, prefetch=prefetch)

@@ -1,0 +1,141 @@
+"""The Kafka adapter against Tansu, with confluent-kafka as the other side:
+what the contract's Kafka paragraphs say of the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+
+import orjson
+import pytest
+
+from relay.brokers import Outcome, make_consumer, make_publisher
+from relay.config import BrokerURL
+from relay.errors import BrokerUnavailable
+from relay.rows import Failure, OutboxRow
+from tests.kafka_server import Kafka
+
+CREATED = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+
+
+def row(
+    topic: str, payload: object = None, *, key: str | None = None, n: int = 0, **kw
+) -> OutboxRow:
+    text = orjson.dumps({"n": n} if payload is None else payload).decode()
+    return OutboxRow(
+        str(uuid.uuid4()),
+        n,
+        topic,
+        key,
+        kw.get("type"),
+        text,
+        kw.get("headers", "{}"),
+        CREATED,
+        0,
+        kw.get("attributes", ()),
+    )
+
+
+def publisher(kafka: Kafka, extra: str = ""):
+    return make_publisher(BrokerURL.parse(kafka.url(extra)), exchange="relay", workers=4)
+
+
+async def test_a_record_carries_the_contracts_key_value_timestamp_and_headers(kafka: Kafka):
+    topic = kafka.topic("wire")
+    full = row(
+        topic,
+        {"order_id": 7, "note": "é", "big": 12345678901234567890},
+        key="order-7",
+        type="OrderPlaced",
+        headers='{"traceparent": "00-abc-def-01"}',
+        attributes=(("ExtendedPayloadSize", 300000),),
+    )
+    plain = row(topic, [1, 2, 3])
+    pub = publisher(kafka)
+    try:
+        assert await pub.publish([full, plain]) == [None, None]
+        assert pub.connected
+    finally:
+        await pub.close()
+    got = {m.headers()[0][1].decode(): m for m in kafka.read(topic, 2)}
+    first, second = got[full.id], got[plain.id]
+    assert first.key() == b"order-7"
+    assert first.value() == '{"order_id":7,"note":"é","big":12345678901234567890}'.encode()
+    assert first.timestamp()[1] == int(CREATED.timestamp() * 1000)
+    assert first.headers() == [
+        ("id", full.id.encode()),
+        ("type", b"OrderPlaced"),
+        ("content-type", b"application/json"),
+        ("traceparent", b"00-abc-def-01"),
+        ("ExtendedPayloadSize", b"300000"),
+    ]
+    assert second.key() is None and second.value() == b"[1,2,3]"
+    assert second.headers() == [("id", plain.id.encode()), ("content-type", b"application/json")]
+
+
+async def test_a_keys_later_rows_wait_behind_its_failed_row(kafka: Kafka):
+    topic = kafka.topic("held")
+    missing = kafka.name("missing")
+    batch = [
+        row(topic, key="a", n=0),
+        row(topic, key="a", n=1, headers="[1]"),  # cannot be encoded: dead
+        row(topic, key="a", n=2),  # waits (released, no attempt)
+        row(missing, key="b", n=3),  # a missing topic: an attempt
+        row(topic, key="b", n=4),  # waits behind it
+        row(topic, {"blob": "x" * 3000}, key="c", n=5),  # over message.max.bytes: dead
+        row(topic, key="c", n=6),  # waits
+        row(topic, key="d", n=7),
+    ]
+    pub = publisher(kafka, "message.max.bytes=2000")
+    try:
+        results = await pub.publish(batch)
+    finally:
+        await pub.close()
+    assert results[0] is None and results[7] is None
+    assert isinstance(results[1], Failure) and results[1].permanent
+    assert isinstance(results[3], Failure) and not results[3].permanent
+    assert isinstance(results[5], Failure) and results[5].permanent
+    assert "over the 2000-byte limit" in results[5].error
+    assert [results[i] for i in (2, 4, 6)] == [Outcome.RELEASE] * 3
+    sent = [orjson.loads(r.value())["n"] for r in kafka.read(topic, 2)]
+    assert sent == [0, 7]
+
+
+async def test_an_unreachable_cluster_is_unavailable_with_librdkafkas_reason(kafka: Kafka):
+    pub = make_publisher(BrokerURL.parse("kafka://127.0.0.1:1"), exchange="relay", workers=4)
+    try:
+        with pytest.raises(BrokerUnavailable) as raised:
+            await pub.publish([row("t")])
+        assert "Kafka at kafka://127.0.0.1:1" in str(raised.value)
+        assert not pub.connected
+    finally:
+        await pub.close()
+
+
+async def test_the_consumer_commits_only_behind_acknowledged_records(kafka: Kafka):
+    topic = kafka.topic("commit")
+    for n in range(5):
+        kafka.produce(topic, b'{"n": %d}' % n, flush=False)
+    kafka.flush()
+    consumer = make_consumer(
+        BrokerURL.parse(kafka.url()),
+        queue=topic,
+        exchange="relay",
+        binds=(),
+        prefetch=100,
+        consumer_name="g-" + topic,
+    )
+    batches = consumer.batches(10, 0.3)
+    try:
+        got = []
+        async with asyncio.timeout(30):
+            while len(got) < 5:
+                got += await anext(batches)
+        await consumer.ack([got[0], got[1], got[3]])  # 2 is not stored yet: stop at 2
+        await asyncio.sleep(1)
+    finally:
+        await batches.aclose()
+        await consumer.close()
+    assert kafka.committed("g-" + topic, topic) == {0: 2}
+    assert [m.message_id for m in got] == [f"kafka:{topic}:0:{n}" for n in range(5)]

@@ -1,0 +1,83 @@
+"""Kafka records as the inbox sees them (relay.brokers.kafka.to_incoming,
+then relay.storable.to_row): the contract's mapping, and any record at all
+becoming one row, dead with the reason when its columns cannot hold it.
+Pure unit tests: records built with confluent-kafka's own Message."""
+
+from __future__ import annotations
+
+import orjson
+from confluent_kafka import Message
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relay.brokers.kafka import Token, to_incoming
+from relay.storable import to_row
+
+
+def incoming(value: bytes | None, key: bytes | None = None, headers=None, offset: int = 7):
+    message = Message(
+        topic="orders", partition=2, offset=offset, key=key, value=value, headers=headers or []
+    )
+    return to_incoming(message, Token("orders", 2, offset, 1))
+
+
+def test_the_dedup_key_is_id_then_message_id_then_the_records_place():
+    assert incoming(b"{}", headers=[("id", b"a"), ("message_id", b"b")]).message_id == "a"
+    assert incoming(b"{}", headers=[("message_id", b"b")]).message_id == "b"
+    assert incoming(b"{}").message_id == "kafka:orders:2:7"
+    assert incoming(b"{}", headers=[("id", b"")]).message_id == "kafka:orders:2:7"
+
+
+def test_type_key_headers_and_content_type():
+    got = incoming(
+        b'{"n": 1}',
+        key=b"order-1",
+        headers=[
+            ("type", b"Placed"),
+            ("content-type", b"application/json"),
+            ("traceparent", b"00-a-b-01"),
+            ("traceparent", b"second"),  # a repeated name: the last, as Java's lastHeader()
+        ],
+    )
+    assert (got.type, got.key, got.topic, got.content_type) == (
+        "Placed",
+        "order-1",
+        "orders",
+        "application/json",
+    )
+    assert got.headers["traceparent"] == "second"
+    assert incoming(b"{}").type == "orders"  # no type header: the topic
+    assert incoming(None).body == b""  # a tombstone's null value
+
+
+names = st.text(min_size=1, max_size=20)
+values = st.one_of(st.none(), st.binary(max_size=40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    value=st.one_of(st.none(), st.binary(max_size=200)),
+    key=st.one_of(st.none(), st.binary(max_size=40)),
+    headers=st.lists(st.tuples(names, values), max_size=6),
+)
+def test_any_record_becomes_one_row_dead_with_a_reason_when_not_storable(value, key, headers):
+    message = incoming(value, key=key, headers=headers)
+    row = to_row(message)  # never raises
+    assert row.message_id
+    if row.status == "dead":
+        assert row.last_error
+        assert row.raw_properties is None or orjson.loads(row.raw_properties) is not None
+    bad_key = key is not None and (b"\x00" in key or not _utf8(key))
+    last = dict(headers)
+    bad_header = any(v is not None and (b"\x00" in v or not _utf8(v)) for v in last.values())
+    bad_name = any("\x00" in name for name in last)
+    if bad_key or bad_header or bad_name:
+        assert row.status == "dead", (key, headers, row.last_error)
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
