@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from relay import claimcheck
+from relay import claimcheck, cloudevents
 from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
 from relay.config import InboxSettings
@@ -79,6 +79,7 @@ class Receiver:
         self.stopping = asyncio.Event()
         self.reconnect = reconnect_backoff()
         self.fetch: claimcheck.Fetch | None = None
+        self.binding = cloudevents.binding(settings.broker.kind if settings.broker else None)
         self._reader: Any = None
         if settings.claim_check is not None:
             from relay.s3 import ClaimCheckReader  # boto3, only when asked for
@@ -132,6 +133,7 @@ class Receiver:
         parts = claimcheck.parts(batch, FETCHED_AT_ONCE)
         for part in parts:
             resolved, count, size = await self._resolve(part)
+            resolved = cloudevents.received(resolved, self.binding)
             fetched, fetched_bytes = fetched + count, fetched_bytes + size
             rows = [to_row(m) for m in resolved]
             new |= await self._store(resolved, rows)

@@ -34,7 +34,14 @@ import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
 
-from relay.brokers import Outcome, Publisher, PublishResult, encode_failure, row_body
+from relay.brokers import (
+    Outcome,
+    Publisher,
+    PublisherWrapper,
+    PublishResult,
+    encode_failure,
+    row_body,
+)
 from relay.claimcheck import SIZE_ATTRIBUTE, pointer_body, where
 from relay.config import ClaimCheckURL, redact_url
 from relay.errors import BrokerUnavailable, ConfigError
@@ -206,7 +213,7 @@ class ObjectStore:
 # --------------------------------------------------------------------------
 
 
-class ClaimCheckPublisher:
+class ClaimCheckPublisher(PublisherWrapper):
     """A Publisher that stores large bodies in S3 and publishes their pointers
     through the broker's Publisher; every other row goes through as it is."""
 
@@ -217,7 +224,7 @@ class ClaimCheckPublisher:
         over: int,
         on_sent: Callable[[int, int], None] | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.url = url
         self.over = over
         self.store = ObjectStore(url, UPLOADS)
@@ -228,13 +235,6 @@ class ClaimCheckPublisher:
     @property
     def connected(self) -> bool:
         return self.inner.connected and self._s3_ok
-
-    @property
-    def blocked(self) -> str | None:
-        return self.inner.blocked
-
-    async def wait_unblocked(self) -> None:
-        await self.inner.wait_unblocked()
 
     async def connect(self) -> None:
         await self.inner.connect()

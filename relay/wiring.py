@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 
-from relay import tracing
+from relay import cloudevents, tracing
 from relay.backoff import reconnect_backoff, until_available
 from relay.brokers import Consumer, make_publisher
 from relay.config import DaemonSettings, InboxSettings, OutboxSettings
@@ -75,6 +75,7 @@ def outbox_service(
         claim_check_over=settings.claim_check_over,
         on_claim_check=metrics.claim_check_sent,
     )
+    publisher = cloudevents.wrap(publisher, settings.cloudevents_source, broker.kind)
     loop_settings = settings
     if one_poll and not once:
         # Each idle worker's own poll comes seldom; a poller wakes the relay
