@@ -206,16 +206,48 @@ async def _outbox_once(
     _rss_figures(report, scenario, "outbox", proc)
 
 
-async def scenario_drain(res: Resources, sz: Sizes, report: Report) -> None:
+# Flags bench.run's --cloudevents-source adds to the drain's `relay outbox`.
+DRAIN_ARGS: list[str] = []
+CLOUDEVENTS_SOURCE = "https://bench.example.com/relay"
+
+
+async def scenario_drain(
+    res: Resources, sz: Sizes, report: Report, scenario: str = "drain", extra: tuple[str, ...] = ()
+) -> None:
     """`relay outbox --once` draining a backlog."""
     url = await res.database()
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
     await insert_backlog(url, sz.drain, topic="bench.drain")
-    await _outbox_once(res, report, "drain", url, sz.drain, daemon_args(url, exchange))
+    args = [*daemon_args(url, exchange), *DRAIN_ARGS, *extra]
+    await _outbox_once(res, report, scenario, url, sz.drain, args)
     depth = await res.queue_depth(queue)
     if depth != sz.drain:
         raise BenchError(f"queue holds {depth} of {sz.drain} messages")
+    await res.drop_database(url)
+
+
+async def scenario_cloudevents(res: Resources, sz: Sizes, report: Report) -> None:
+    """Issue 42's A/B: the drain without and with --cloudevents-source,
+    interleaved (ABBA...) so that the machine's load falls on both alike;
+    each variant's median over the rounds, and their ratio."""
+    rounds = 1 if sz.drain < 10_000 else 4
+    rates: dict[str, list[float]] = {"plain": [], "cloudevents": []}
+    for round_ in range(rounds):
+        order = ["plain", "cloudevents"] if round_ % 2 == 0 else ["cloudevents", "plain"]
+        for variant in order:
+            extra = ("--cloudevents-source", CLOUDEVENTS_SOURCE) if variant != "plain" else ()
+            one = Report()
+            await scenario_drain(res, sz, one, "drain", extra)
+            rate = one.get("drain", "rate")
+            if rate is None:
+                raise BenchError(f"no rate for the {variant} drain")
+            rates[variant].append(rate)
+            report.add("cloudevents", f"rate_{variant}_{round_}", rate, "msgs/s", load=loadavg())
+    plain, ce = (sorted(v)[len(v) // 2] for v in (rates["plain"], rates["cloudevents"]))
+    report.add("cloudevents", "rate_plain", plain, "msgs/s", rounds=rounds)
+    report.add("cloudevents", "rate_cloudevents", ce, "msgs/s", rounds=rounds)
+    report.add("cloudevents", "ratio", ce / plain, "x", messages=sz.drain)
 
 
 INSERT_ONE = "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
@@ -571,6 +603,7 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "sqs_ref": scenario_sqs_ref,
     "latency_offered": scenario_latency_offered,
     "multi": scenario_multi,
+    "cloudevents": scenario_cloudevents,
 }
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
@@ -690,6 +723,7 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
         "x",
     )
     check("21: inbox / outbox drain (wire)", g("wire", "inbox_over_drain"), ">=", 0.8, "x")
+    check("42: drain with CloudEvents / without", g("cloudevents", "ratio"), ">=", 0.95, "x")
     check(
         "21: SQS outbox / plain boto3 SendMessageBatch",
         g("sqs_ref", "outbox_over_plain"),
@@ -979,10 +1013,18 @@ def main() -> None:
         "of a cluster of their own with the default settings",
     )
     parser.add_argument(
+        "--cloudevents-source",
+        metavar="URI",
+        help="the drain scenario's relay outbox sends CloudEvents with this source "
+        "(issue 42; the cloudevents scenario runs the A/B by itself)",
+    )
+    parser.add_argument(
         "--out",
         help="JSON results file [default: bench/results/latest.json and a timestamped copy]",
     )
     args = parser.parse_args()
+    if args.cloudevents_source:
+        DRAIN_ARGS.extend(["--cloudevents-source", args.cloudevents_source])
     unknown = [n for n in args.only or [] if n not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario(s): {', '.join(unknown)}")
