@@ -585,3 +585,14 @@ async def test_generated_broken_events_on_sqs_are_dead_and_canaries_handled(
     wait_until(lambda: sqs.count(queue) == 0, timeout=30)
     daemon.stop()
     assert daemon.proc.returncode == 0, daemon.log
+
+
+def test_a_source_that_is_no_uri_reference_exits_2(run_relay):
+    for args, env in (
+        (["--cloudevents-source", "not a uri"], {}),
+        ([], {"RELAY_CLOUDEVENTS_SOURCE": "x#y#z"}),
+    ):
+        result = run_relay("outbox", "--once", *args, env=env)
+        assert result.returncode == 2, result.stderr
+        assert "--cloudevents-source" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
