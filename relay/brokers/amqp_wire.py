@@ -47,16 +47,31 @@ def shortstr(value: str) -> bytes:
     return bytes((len(raw),)) + raw
 
 
+# Header names encoded once: most messages repeat a few (x-relay-key, the
+# CloudEvents attributes, traceparent).
+_names: dict[str, bytes] = {}
+_NAMES_KEPT = 1024
+
+
+def _name(name: str) -> bytes:
+    encoded = _names.get(name)
+    if encoded is None:
+        encoded = shortstr(name)
+        if len(_names) < _NAMES_KEPT:
+            _names[name] = encoded
+    return encoded
+
+
 def string_table(table: Mapping[str, str | int]) -> bytes:
     """An AMQP field table whose values are long strings ('S'), or 64-bit
     integers ('l': the claim check's ExtendedPayloadSize)."""
     parts = []
     for name, value in table.items():
         if isinstance(value, int):
-            parts.append(shortstr(name) + b"l" + _i64(value))
+            parts.append(_name(name) + b"l" + _i64(value))
             continue
         raw = value.encode("utf-8")
-        parts.append(shortstr(name) + b"S" + _u32(len(raw)) + raw)
+        parts.append(_name(name) + b"S" + _u32(len(raw)) + raw)
     body = b"".join(parts)
     return _u32(len(body)) + body
 
