@@ -34,7 +34,9 @@ import logging
 import math
 import os
 import platform
+import resource
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -82,6 +84,7 @@ from bench.naive import run_naive
 from bench.pgserver import own_postgres
 from bench.reference import (
     OFFERED,
+    beam_cpu,
     scenario_latency_offered,
     scenario_multi,
     scenario_sqs_ref,
@@ -207,16 +210,70 @@ async def _outbox_once(
     _rss_figures(report, scenario, "outbox", proc)
 
 
-async def scenario_drain(res: Resources, sz: Sizes, report: Report) -> None:
-    """`relay outbox --once` draining a backlog."""
+# Flags bench.run's --cloudevents-source adds to the drain's `relay outbox`.
+DRAIN_ARGS: list[str] = []
+CLOUDEVENTS_SOURCE = "https://bench.example.com/relay"
+
+
+async def scenario_drain(
+    res: Resources,
+    sz: Sizes,
+    report: Report,
+    scenario: str = "drain",
+    extra: tuple[str, ...] = (),
+    cpu: dict[str, float] | None = None,
+) -> None:
+    """`relay outbox --once` draining a backlog; with `cpu`, the CPU seconds
+    the drain cost relay (its processes) and RabbitMQ (beam.smp) added to it."""
     url = await res.database()
     exchange, queue = res.names()
     await res.bind_queue(exchange, queue)
     await insert_backlog(url, sz.drain, topic="bench.drain")
-    await _outbox_once(res, report, "drain", url, sz.drain, daemon_args(url, exchange))
+    args = [*daemon_args(url, exchange), *DRAIN_ARGS, *extra]
+    before = _children_cpu(), beam_cpu()
+    await _outbox_once(res, report, scenario, url, sz.drain, args)
+    if cpu is not None:
+        cpu["relay"] = cpu.get("relay", 0.0) + _children_cpu() - before[0]
+        cpu["rabbitmq"] = cpu.get("rabbitmq", 0.0) + beam_cpu() - before[1]
     depth = await res.queue_depth(queue)
     if depth != sz.drain:
         raise BenchError(f"queue holds {depth} of {sz.drain} messages")
+    await res.drop_database(url)
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (the relays run and waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def scenario_cloudevents(res: Resources, sz: Sizes, report: Report) -> None:
+    """Issue 42's A/B: the drain without and with --cloudevents-source,
+    interleaved (AB BA ...) so that the machine's load falls on both alike;
+    each variant's median over the rounds, their ratio, and the CPU a
+    message of relay and of RabbitMQ (beam.smp: every client's) in each."""
+    rounds = 1 if sz.drain < 10_000 else 4
+    rates: dict[str, list[float]] = {"plain": [], "cloudevents": []}
+    cpu: dict[str, dict[str, float]] = {"plain": {}, "cloudevents": {}}
+    for round_ in range(rounds):
+        order = ["plain", "cloudevents"] if round_ % 2 == 0 else ["cloudevents", "plain"]
+        for variant in order:
+            extra = ("--cloudevents-source", CLOUDEVENTS_SOURCE) if variant != "plain" else ()
+            one = Report()
+            await scenario_drain(res, sz, one, "drain", extra, cpu[variant])
+            rate = one.get("drain", "rate")
+            if rate is None:
+                raise BenchError(f"no rate for the {variant} drain")
+            rates[variant].append(rate)
+            report.add("cloudevents", f"rate_{variant}_{round_}", rate, "msgs/s", load=loadavg())
+    plain, ce = (statistics.median(rates[v]) for v in ("plain", "cloudevents"))
+    report.add("cloudevents", "rate_plain", plain, "msgs/s", rounds=rounds)
+    report.add("cloudevents", "rate_cloudevents", ce, "msgs/s", rounds=rounds)
+    report.add("cloudevents", "ratio", ce / plain, "x", messages=sz.drain)
+    for variant, spent in cpu.items():
+        for who, seconds in spent.items():
+            per = seconds / (rounds * sz.drain) * 1e6
+            report.add("cloudevents", f"{who}_us_per_msg_{variant}", per, "us")
 
 
 INSERT_ONE = "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
@@ -573,6 +630,7 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "latency_offered": scenario_latency_offered,
     "multi": scenario_multi,
     "kafka": scenario_kafka,
+    "cloudevents": scenario_cloudevents,
 }
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
@@ -692,6 +750,7 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
         "x",
     )
     check("21: inbox / outbox drain (wire)", g("wire", "inbox_over_drain"), ">=", 0.8, "x")
+    check("42: drain with CloudEvents / without", g("cloudevents", "ratio"), ">=", 0.95, "x")
     check(
         "21: SQS outbox / plain boto3 SendMessageBatch",
         g("sqs_ref", "outbox_over_plain"),
@@ -997,10 +1056,18 @@ def main() -> None:
         "of a cluster of their own with the default settings",
     )
     parser.add_argument(
+        "--cloudevents-source",
+        metavar="URI",
+        help="the drain scenario's relay outbox sends CloudEvents with this source "
+        "(issue 42; the cloudevents scenario runs the A/B by itself)",
+    )
+    parser.add_argument(
         "--out",
         help="JSON results file [default: bench/results/latest.json and a timestamped copy]",
     )
     args = parser.parse_args()
+    if args.cloudevents_source:
+        DRAIN_ARGS.extend(["--cloudevents-source", args.cloudevents_source])
     unknown = [n for n in args.only or [] if n not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario(s): {', '.join(unknown)}")

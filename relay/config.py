@@ -582,6 +582,8 @@ class OutboxSettings(DaemonSettings):
     # RabbitMQ: a message the broker confirms but returns unroutable is
     # "publish"ed (and counted) or a "fail"ed attempt.
     on_unroutable: str = "publish"
+    # Every message also a CloudEvent with this source (relay.cloudevents); None: off.
+    cloudevents_source: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -589,6 +591,13 @@ class OutboxSettings(DaemonSettings):
             raise ConfigError(
                 f"invalid --on-unroutable {self.on_unroutable!r}: use publish or fail"
             )
+        if self.cloudevents_source is not None:
+            why = uri_reference_problem(self.cloudevents_source)
+            if why:
+                raise ConfigError(
+                    f"invalid --cloudevents-source {self.cloudevents_source!r}: {why} "
+                    "(a URI-reference, such as https://example.com/orders or /orders)"
+                )
 
 
 @dataclass(frozen=True, repr=False)
@@ -659,6 +668,30 @@ def parse_queue_arg(text: str) -> tuple[str, str | int]:
     if not -(2**63) <= number < 2**63:
         raise ConfigError(f"invalid --queue-arg {text!r}: the integer is out of AMQP's range")
     return name, number
+
+
+# RFC 3986: the characters a URI-reference may hold (but for %XX escapes),
+# and a scheme.
+_URI_CHARS = re.compile(r"(?:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]|%[0-9A-Fa-f]{2})*")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
+
+
+def uri_reference_problem(value: str) -> str | None:
+    """Why `value` is not a non-empty URI-reference (RFC 3986), or None."""
+    if not value:
+        return "it is empty"
+    if not _URI_CHARS.fullmatch(value):
+        return "it holds characters a URI cannot (spaces, non-ASCII, a lone %)"
+    if value.count("#") > 1:
+        return "it has more than one #"
+    head = re.split(r"[/?#]", value, maxsplit=1)[0]
+    if ":" in head and not _SCHEME.fullmatch(head.split(":", 1)[0]):
+        return "its scheme (before the first colon) is not a valid one"
+    try:
+        urllib.parse.urlsplit(value).port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _positive(name: str, value: float) -> None:

@@ -12,11 +12,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib import metadata
 from typing import Any
 
 from sqlalchemy.util import await_only
 
+from relay.cloudevents import CloudEvent
 from relay.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,13 @@ class Message:
     # The raw bytes of a body that was not JSON (payload is then None); None
     # for a JSON body, so a handler tells a non-JSON body from a JSON null.
     body: bytes | None = None
+
+    @cached_property
+    def cloudevent(self) -> CloudEvent | None:
+        """The CloudEvent this message came as (its attributes, read from the
+        row's `ce_` headers: `message.cloudevent.source`, `["traceparent"]`),
+        or None when it came as no event."""
+        return CloudEvent.from_headers(self.headers)
 
 
 Handler = Callable[[Message, Any], Any]

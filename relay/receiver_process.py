@@ -41,7 +41,7 @@ from relay.db.connect import password_command, use_password_command
 from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, Lead, LeadGate, Pace
-from relay.receiving import Receiver, Report, Stage
+from relay.receiving import Envelope, Receiver, Report, Stage
 
 log = logging.getLogger("relay.inbox")
 
@@ -62,6 +62,7 @@ class ReceiverParts:
     consumer: Callable[[], Consumer]
     writer: Callable[[], InboxWriter]
     stage: Callable[[], Stage] | None  # relay.receiving.Stage: the claim check's
+    envelope: Envelope | None  # relay.receiving.Envelope: CloudEvents'
     consumer_name: str
     batch_size: int
 
@@ -80,6 +81,7 @@ class LocalReceiver:
             consumer_name=parts.consumer_name,
             batch_size=parts.batch_size,
             stage=parts.stage() if parts.stage is not None else None,
+            envelope=parts.envelope,
         )
         # The consumer's figures on its broker (relay.brokers.Reading), for /metrics.
         self.readings: list[Reading] = []

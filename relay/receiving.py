@@ -35,6 +35,12 @@ BATCH_WAIT = 0.005
 Report = Callable[[int, int, int, int, int], None]
 
 
+# What wiring puts after the stage, for every broker: the messages as their
+# rows should hold them (relay.cloudevents.received: an event's id, source,
+# type and attributes), each other message as it is.
+Envelope = Callable[[Sequence[Incoming]], list[Incoming]]
+
+
 class Stage(Protocol):
     """What wiring puts between the consumer's batches and their rows: the
     claim check's (relay.claimcheck.inbound.Inbound), whichever the broker."""
@@ -84,6 +90,7 @@ class Receiver:
         consumer_name: str,
         batch_size: int,
         stage: Stage | None = None,
+        envelope: Envelope | None = None,
     ) -> None:
         self.writer = writer
         self.consumer = consumer
@@ -92,6 +99,7 @@ class Receiver:
         self.consumer_name = consumer_name  # the inbox rows' consumer
         self.batch_size = batch_size
         self.stage = stage
+        self.envelope = envelope
         self.stopping = asyncio.Event()
         self.reconnect = reconnect_backoff()
 
@@ -142,6 +150,8 @@ class Receiver:
         parts = self.stage.parts(batch) if self.stage is not None else [batch]
         for part in parts:
             resolved, count, size = await self._resolve(part)
+            if self.envelope is not None:
+                resolved = self.envelope(resolved)
             fetched, fetched_bytes = fetched + count, fetched_bytes + size
             rows = [to_row(m) for m in resolved]
             new |= await self._store(resolved, rows)

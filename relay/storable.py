@@ -293,6 +293,8 @@ def to_row(message: Incoming) -> NewInboxRow:
         )
     if message.unfetched:
         problems.append(message.unfetched)
+    if message.rejected:
+        problems.append(message.rejected)
 
     message_id = dedup_key(message)
     if message.message_id:

@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from relay import batches
+from relay.cloudevents import headers_for
 from relay.handlers import (
     BatchHandler,
     Handler,
@@ -53,15 +54,29 @@ def message(
     headers: Mapping[str, Any] | None = None,
     attempts: int = 0,
     consumer: str = "test",
+    cloudevent: Mapping[str, Any] | None = None,
 ) -> Message:
-    """A Message as the dispatcher builds it from an inbox row."""
+    """A Message as the dispatcher builds it from an inbox row. With
+    `cloudevent` (attributes, at least `source`), as the inbox stores an
+    event: its attributes as `ce_` headers (specversion 1.0, `type` and a
+    new id unless given), its id `source id` unless `id` is given, its key
+    the event's `subject` unless `key` is."""
+    all_headers = dict(headers or {})
+    if cloudevent is not None:
+        if "source" not in cloudevent:
+            raise ValueError("a cloudevent needs at least a source")
+        attributes = {"specversion": "1.0", "id": str(uuid.uuid4()), "type": type, **cloudevent}
+        all_headers.update(headers_for(attributes))
+        id = id or f"{attributes['source']} {attributes['id']}"
+        if key is None and isinstance(attributes.get("subject"), str):
+            key = attributes["subject"]
     return Message(
         id=id or str(uuid.uuid4()),
         type=type,
         topic=topic,
         key=key,
         payload=payload,
-        headers=dict(headers or {}),
+        headers=all_headers,
         attempts=attempts,
         consumer=consumer,
     )

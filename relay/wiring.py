@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from relay import tracing
+from relay import cloudevents, tracing
 from relay.backoff import Backoff, reconnect_backoff, until_available
 from relay.brokers import Consumer, Publisher, kind_of, make_consumer, make_publisher
 from relay.claimcheck.inbound import Inbound
@@ -65,7 +65,8 @@ def outbox_publisher(
     settings: OutboxSettings, on_claim_check: Callable[[int, int], None] | None = None
 ) -> Publisher:
     """The publisher for the settings' broker URL, behind the claim check
-    (relay.claimcheck.publisher) with --claim-check; `on_claim_check` hears
+    (relay.claimcheck.publisher) with --claim-check and CloudEvents'
+    envelope (relay.cloudevents) with --cloudevents-source; `on_claim_check` hears
     of each batch's claim checked messages and bytes."""
     assert settings.broker is not None
     made = make_publisher(
@@ -74,13 +75,15 @@ def outbox_publisher(
         on_unroutable=settings.on_unroutable,
         workers=WORKERS,
     )
-    if settings.claim_check is None:
-        return made
-    from relay.claimcheck.publisher import ClaimCheckPublisher  # boto3, only when asked for
+    if settings.claim_check is not None:
+        from relay.claimcheck.publisher import ClaimCheckPublisher  # boto3, only when asked for
 
-    return ClaimCheckPublisher(
-        made, settings.claim_check, settings.claim_check_over, on_claim_check
-    )
+        made = ClaimCheckPublisher(
+            made, settings.claim_check, settings.claim_check_over, on_claim_check
+        )
+    # CloudEvents outside the claim check: a large structured event (SQS) is
+    # offloaded whole, as the body it would have been.
+    return cloudevents.wrap(made, settings.cloudevents_source, settings.broker.kind)
 
 
 def outbox_relay(
@@ -291,6 +294,11 @@ def receiver_parts(settings: InboxSettings, consumer: Consumer | None = None) ->
         consumer=consume,
         writer=functools.partial(InboxWriter, settings.database_url, settings.schema),
         stage=functools.partial(Inbound, settings.claim_check),
+        # CloudEvents are recognised from any producer, without a flag.
+        envelope=functools.partial(
+            cloudevents.received,
+            binding=cloudevents.binding(settings.broker.kind if settings.broker else None),
+        ),
         consumer_name=settings.consumer_name,
         batch_size=settings.batch_size,
     )

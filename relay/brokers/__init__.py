@@ -62,6 +62,31 @@ class Publisher(Protocol):
     async def close(self) -> None: ...
 
 
+class PublisherWrapper:
+    """A layer put around a broker's Publisher (the claim check,
+    CloudEvents): everything but publish goes to `inner` as it is."""
+
+    def __init__(self, inner: Publisher) -> None:
+        self.inner = inner
+
+    @property
+    def connected(self) -> bool:
+        return self.inner.connected
+
+    @property
+    def blocked(self) -> str | None:
+        return self.inner.blocked
+
+    async def wait_unblocked(self) -> None:
+        await self.inner.wait_unblocked()
+
+    async def connect(self) -> None:
+        await self.inner.connect()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 @dataclass(slots=True)
 class Incoming:
     """A message received from the broker, not yet in the inbox table."""
@@ -83,6 +108,9 @@ class Incoming:
     undecodable: str | None = None
     # A claim check pointer whose object could not be read: why (relay.claimcheck).
     unfetched: str | None = None
+    # Why a layer above the adapters keeps the message dead as received
+    # (relay.cloudevents: an event that breaks the specification).
+    rejected: str | None = None
     # The message's content type where its broker carries one (the AMQP
     # content_type property, the SQS attribute or Kafka header
     # `content-type`), for the layers above the adapters to read.

@@ -548,6 +548,7 @@ def _incoming(
     body: bytes,
     raw_header: bytes | None,
     undecodable: str | None = None,
+    content_type: str | None = None,
 ) -> Incoming:
     """A delivery as the inbox sees it: values as decoded (relay.storable
     makes them storable, or the row dead), nothing here can fail."""
@@ -564,16 +565,17 @@ def _incoming(
         ack_token=(channel, tag),
         original=functools.partial(_original, exchange, routing_key, raw_header),
         undecodable=undecodable,
+        content_type=content_type,
     )
 
 
-_HeaderFields = tuple[str | None, str | None, dict[str, Any], bytes | None, str | None]
+_HeaderFields = tuple[str | None, str | None, dict[str, Any], bytes | None, str | None, str | None]
 
 
 def _header_fields(header: ContentHeader) -> _HeaderFields:
     """What the inbox reads of a content header decoded by pamqp: message
     id, type, headers, the frame's bytes and why it did not decode, if so
-    (the last two set by amqp_lenient)."""
+    (these two set by amqp_lenient), and the content type."""
     properties = header.properties
     return (
         properties.message_id,
@@ -581,6 +583,7 @@ def _header_fields(header: ContentHeader) -> _HeaderFields:
         properties.headers or {},
         getattr(header, "relay_raw", None),
         getattr(header, "relay_undecodable", None),
+        properties.content_type,
     )
 
 
@@ -590,7 +593,7 @@ def _from_pamqp(message: DeliveredMessage) -> Incoming:
     # annotation, not isinstance, which would cost every delivery a call.
     delivery: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
     assert delivery.delivery_tag is not None  # RabbitMQ tags every delivery
-    message_id, type_, headers, raw, undecodable = _header_fields(message.header)
+    message_id, type_, headers, raw, undecodable, content_type = _header_fields(message.header)
     return _incoming(
         message.channel,
         delivery.delivery_tag,
@@ -602,6 +605,7 @@ def _from_pamqp(message: DeliveredMessage) -> Incoming:
         message.body,
         raw,
         undecodable,
+        content_type,
     )
 
 
@@ -645,12 +649,14 @@ class _Deliveries:
         if frame_type == 2 and self.method is not None and self.header is None:
             undecodable = None
             try:
-                size, message_id, type_, headers = amqp_wire.decode_header(payload, _field_table)
+                size, message_id, type_, headers, content_type = amqp_wire.decode_header(
+                    payload, _field_table
+                )
             except Exception:  # leave it to pamqp, leniently
                 header = aiormq_internals.decode_header(payload)
                 size = header.body_size or 0
-                message_id, type_, headers, _, undecodable = _header_fields(header)
-            self.header = (message_id, type_, headers, payload, undecodable)
+                message_id, type_, headers, _, undecodable, content_type = _header_fields(header)
+            self.header = (message_id, type_, headers, payload, undecodable, content_type)
             self.left = size
             if size <= 0:
                 self._done()

@@ -47,16 +47,31 @@ def shortstr(value: str) -> bytes:
     return bytes((len(raw),)) + raw
 
 
+# Header names encoded once: most messages repeat a few (x-relay-key, the
+# CloudEvents attributes, traceparent).
+_names: dict[str, bytes] = {}
+_NAMES_KEPT = 1024
+
+
+def _name(name: str) -> bytes:
+    encoded = _names.get(name)
+    if encoded is None:
+        encoded = shortstr(name)
+        if len(_names) < _NAMES_KEPT:
+            _names[name] = encoded
+    return encoded
+
+
 def string_table(table: Mapping[str, str | int]) -> bytes:
     """An AMQP field table whose values are long strings ('S'), or 64-bit
     integers ('l': the claim check's ExtendedPayloadSize)."""
     parts = []
     for name, value in table.items():
         if isinstance(value, int):
-            parts.append(shortstr(name) + b"l" + _i64(value))
+            parts.append(_name(name) + b"l" + _i64(value))
             continue
         raw = value.encode("utf-8")
-        parts.append(shortstr(name) + b"S" + _u32(len(raw)) + raw)
+        parts.append(_name(name) + b"S" + _u32(len(raw)) + raw)
     body = b"".join(parts)
     return _u32(len(body)) + body
 
@@ -144,7 +159,7 @@ def decode_deliver(payload: bytes) -> tuple[int, str, str]:
 
 
 # Property flags of the Basic class, in the order of their values.
-_SKIPPED_SHORTSTRS = (1 << 15, 1 << 14)  # content type, content encoding
+FLAG_CONTENT_ENCODING = 1 << 14
 _OCTETS = (1 << 12, 1 << 11)  # delivery mode, priority
 _SKIPPED_AFTER_OCTETS = (1 << 10, 1 << 9, 1 << 8)  # correlation id, reply to, expiration
 _SKIPPED_LAST = (1 << 4, 1 << 3, 1 << 2)  # user id, app id, cluster id
@@ -152,17 +167,20 @@ _SKIPPED_LAST = (1 << 4, 1 << 3, 1 << 2)  # user id, app id, cluster id
 
 def decode_header(
     payload: bytes, field_table: Callable[[bytes], tuple[int, dict[str, Any]]]
-) -> tuple[int, str | None, str | None, dict[str, Any]]:
+) -> tuple[int, str | None, str | None, dict[str, Any], str | None]:
     """A content header frame's payload -> (body size, message id, type,
-    headers), as pamqp would decode them. `field_table` is pamqp's decoder
-    of the headers table (its values come out exactly as pamqp's)."""
+    headers, content type), as pamqp would decode them. `field_table` is
+    pamqp's decoder of the headers table (its values come out exactly as
+    pamqp's)."""
     class_id, _weight, body_size, flags = _header_at(payload, 0)
     if class_id != BASIC_CLASS or flags & 1:
         raise Unusual("not the Basic class, or more property flags than one word")
     at = 14
-    for flag in _SKIPPED_SHORTSTRS:
-        if flags & flag:
-            at += 1 + payload[at]
+    content_type = None
+    if flags & FLAG_CONTENT_TYPE:
+        content_type, at = _shortstr_at(payload, at)
+    if flags & FLAG_CONTENT_ENCODING:
+        at += 1 + payload[at]
     headers: dict[str, Any] = {}
     if flags & FLAG_HEADERS:
         used, headers = field_table(payload[at:])
@@ -185,4 +203,4 @@ def decode_header(
             at += 1 + payload[at]
     if at != len(payload):
         raise Unusual("content header longer or shorter than its properties")
-    return body_size, message_id, type_, headers
+    return body_size, message_id, type_, headers, content_type

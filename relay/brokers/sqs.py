@@ -559,6 +559,7 @@ def to_incoming(message: dict[str, Any], queue: str) -> Incoming:
         headers=headers,
         ack_token=message["ReceiptHandle"],
         original=lambda: {"message_attributes": attributes},
+        content_type=_text_attribute(attributes, "content-type"),
     )
 
 

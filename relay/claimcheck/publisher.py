@@ -19,7 +19,14 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-from relay.brokers import Outcome, Publisher, PublishResult, encode_failure, row_body
+from relay.brokers import (
+    Outcome,
+    Publisher,
+    PublisherWrapper,
+    PublishResult,
+    encode_failure,
+    row_body,
+)
 from relay.claimcheck import SIZE_ATTRIBUTE, pointer_body, where
 from relay.claimcheck.s3 import UPLOADS, ObjectStore, S3Refused, S3Unavailable
 from relay.config import ClaimCheckURL
@@ -28,7 +35,7 @@ from relay.rows import Failure, OutboxRow
 log = logging.getLogger("relay.s3")  # the name its log lines have always had
 
 
-class ClaimCheckPublisher:
+class ClaimCheckPublisher(PublisherWrapper):
     """A Publisher that stores large bodies in S3 and publishes their pointers
     through the broker's Publisher; every other row goes through as it is."""
 
@@ -39,7 +46,7 @@ class ClaimCheckPublisher:
         over: int,
         on_sent: Callable[[int, int], None] | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.url = url
         self.over = over
         self.store = ObjectStore(url, UPLOADS)
@@ -50,13 +57,6 @@ class ClaimCheckPublisher:
     @property
     def connected(self) -> bool:
         return self.inner.connected and self._s3_ok
-
-    @property
-    def blocked(self) -> str | None:
-        return self.inner.blocked
-
-    async def wait_unblocked(self) -> None:
-        await self.inner.wait_unblocked()
 
     async def connect(self) -> None:
         await self.inner.connect()

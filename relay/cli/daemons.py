@@ -150,6 +150,13 @@ def daemon_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
     show_default=True,
     help="RabbitMQ: a message no queue is bound for is published (and counted) or a failed attempt",
 )
+@option(
+    "--cloudevents-source",
+    default=None,
+    metavar="URI",
+    help="send every message as a CloudEvent 1.0 with this source (a URI-reference): "
+    "binary mode on RabbitMQ and Kafka, structured on SQS",
+)
 def outbox(once: bool, **kwargs: Any) -> None:
     """The outbox relay: publish committed outbox rows to the broker (of one
     source, or of several: every --schema in every --database-url, or --sources)."""

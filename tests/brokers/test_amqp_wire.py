@@ -157,7 +157,16 @@ def test_deliveries_decode_as_pamqp_decodes_them(
         )
     )
     [incoming] = got
-    for name in ("message_id", "topic", "key", "type", "body", "headers", "undecodable"):
+    for name in (
+        "message_id",
+        "topic",
+        "key",
+        "type",
+        "body",
+        "headers",
+        "undecodable",
+        "content_type",
+    ):
         assert getattr(incoming, name) == getattr(expected, name), name
     assert incoming.ack_token[1] == expected.ack_token[1] == tag
     assert incoming.original() == expected.original()
@@ -191,11 +200,12 @@ def test_common_deliveries_are_decoded_without_pamqp(properties):
     without falling back to pamqp (which gives the same values, slower)."""
     header = ContentHeader(properties=spec.Basic.Properties(**properties), body_size=3)
     payload = frame.marshal(header, 1)[7:-1]
-    size, message_id, type_, headers = amqp_wire.decode_header(payload, field_table)
-    assert (size, message_id, type_) == (
+    size, message_id, type_, headers, content_type = amqp_wire.decode_header(payload, field_table)
+    assert (size, message_id, type_, content_type) == (
         3,
         properties.get("message_id"),
         properties.get("message_type"),
+        properties.get("content_type"),
     )
     assert headers == (properties.get("headers") or {})
     deliver = spec.Basic.Deliver("ctag", 42, False, "relay", "orders.placed")

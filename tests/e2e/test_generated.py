@@ -167,7 +167,11 @@ def _settled(engine, consumer: str, before: str, after: str) -> tuple[list[Any]]
     return None if any(status == "pending" for _, status, _ in found) else (found,)
 
 
-async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, inbox):
+# With CloudEvents (issue 42): some examples carry an event's attributes as
+# cloudEvents_ headers beside everything else generated, valid (one row,
+# deduplicated by source and id) or missing a required one (dead).
+@pytest.mark.parametrize("cloudevents", [False, True], ids=["plain", "cloudevents"])
+async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, inbox, cloudevents):
     daemon = inbox()
     consumer = daemon.queue
     seen_bodies: set[bytes] = set()
@@ -212,8 +216,9 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
                 "priority": st.integers(0, 9),
             },
         ),
+        event=st.sampled_from([None, "valid", "broken"]) if cloudevents else st.none(),
     )
-    def example(message_id, type_, routing_key, headers, key, body, timestamp, extra):
+    def example(message_id, type_, routing_key, headers, key, body, timestamp, extra, event):
         n = counts["examples"]
         counts["examples"] += 1
         before, after = f"canary-{n}-a", f"canary-{n}-b"
@@ -223,6 +228,16 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
         table = dict(headers or {})
         if key is not None:
             table["x-relay-key"] = ("S", key)
+        if event is not None:
+            attributes = {
+                "specversion": "1.0",
+                "id": f"gen-{n}",
+                "source": "urn:gen",
+                "type": "Effect",
+            }
+            if event == "broken":
+                del attributes[("specversion", "id", "source", "type")[n % 4]]
+            table.update({f"cloudEvents_{k}": ("S", v) for k, v in attributes.items()})
         properties = {
             "message_id": message_id,
             "type": type_,
@@ -262,9 +277,21 @@ async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, in
             message=f"example {n} settled",
         )
         duplicate = message_id is None and body in seen_bodies
+        if event == "valid":
+            # Deduplicated by its source and id, unless its properties could
+            # not be decoded at all (then as any message: sha256 of the body).
+            assert len(found) == (0 if not taken else 1) or duplicate, found
+            if found and found[0][0].startswith("sha256:"):
+                seen_bodies.add(body)
+            elif found:
+                assert found[0][0] == f"urn:gen gen-{n}", found
+            _tally(found, counts)
+            return
         if message_id is None and taken:
             seen_bodies.add(body)
         assert len(found) == (0 if duplicate or not taken else 1), found
+        if event == "broken" and found:
+            assert found[0][1] == "dead", found
         _tally(found, counts)
 
     await asyncio.to_thread(example)
@@ -428,10 +455,25 @@ def _deep(depth: int, inner: str) -> str:
     return "[" * depth + inner + "]" * depth
 
 
-async def test_generated_outbox_rows_each_end_published_or_dead(engine, rabbit, start_relay):
+# With CloudEvents on (issue 42), each published message is also an event
+# the CloudEvents SDK reads, with the row's id and type.
+CLOUDEVENTS_SOURCE = "https://generated.example.com/relay"
+
+
+@pytest.mark.parametrize("cloudevents", [False, True], ids=["plain", "cloudevents"])
+async def test_generated_outbox_rows_each_end_published_or_dead(
+    engine, rabbit, start_relay, cloudevents
+):
     queue = await rabbit.queue("#")
     daemon = start_relay(
-        "outbox", "--exchange", rabbit.exchange, "--poll-interval", "0.2", "--max-attempts", "1"
+        "outbox",
+        "--exchange",
+        rabbit.exchange,
+        "--poll-interval",
+        "0.2",
+        "--max-attempts",
+        "1",
+        *(("--cloudevents-source", CLOUDEVENTS_SOURCE) if cloudevents else ()),
     )
     daemon.wait_for_log("outbox relay started")
     counts: Counter[str] = Counter()
@@ -514,15 +556,39 @@ async def test_generated_outbox_rows_each_end_published_or_dead(engine, rabbit, 
         else:
             assert status == "published"
             asyncio.run_coroutine_threadsafe(collect(row), loop).result(40)
-            [body] = [m.body for m in got if m.message_id == row]
+            [message] = [m for m in got if m.message_id == row]
             # Exactly the stored value (jsonb's own rendering of each number).
-            assert json.loads(body) == json.loads(stored)
+            assert json.loads(message.body) == json.loads(stored)
+            if cloudevents:
+                _check_event(message, row, topic, type_, key)
 
     await asyncio.to_thread(example)
     daemon.stop()
     assert daemon.proc.returncode == 0, daemon.log
     assert rows(engine, "SELECT count(*) FROM outbox WHERE status = 'pending'")[0][0] == 0
     print(f"\noutbox: {dict(counts)}")
+
+
+def _check_event(message: Any, row: str, topic: str, type_: str | None, key: str | None) -> None:
+    """The SDK reads the message as the row's event (its attributes; the
+    data is the body, compared above)."""
+    from cloudevents.core.bindings import amqp as sdk_amqp
+    from cloudevents.core.formats.json import JSONFormat
+    from cloudevents.core.v1.event import CloudEvent
+
+    event = sdk_amqp.from_binary(
+        sdk_amqp.AMQPMessage(
+            properties={"content-type": message.content_type},
+            application_properties=dict(message.headers),
+            application_data=b"",
+        ),
+        JSONFormat(),
+        CloudEvent,
+    )
+    attributes = event.get_attributes()
+    assert (attributes["id"], attributes["source"]) == (row, CLOUDEVENTS_SOURCE)
+    assert attributes["type"] == (type_ or topic)
+    assert attributes.get("subject") == (key or None)
 
 
 # --------------------------------------------------------------------------
