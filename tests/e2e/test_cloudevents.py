@@ -6,8 +6,8 @@ still after they are delivered again; two sources with one id kept apart;
 Knative-style ids and sources; generated events that break the
 specification kept as dead rows between canaries that are handled.
 
-Kafka's binding is tested on the envelope (tests/brokers/test_cloudevents.py)
-until the Kafka adapter lands; its end-to-end test comes with it.
+Kafka's, with the SDK's Kafka binding: tests/kafka/test_cloudevents.py
+(which uses this module's helpers).
 """
 
 from __future__ import annotations
