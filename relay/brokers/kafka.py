@@ -799,33 +799,43 @@ class KafkaConsumer:
                 return
             if not messages:
                 continue
-            got: list[Incoming] = []
-            with self._lock:
-                for message in messages:
-                    error = message.error()
-                    if error is not None:
-                        if error.code() == KafkaError._PARTITION_EOF:
-                            continue
-                        if error.code() in _MISSING_TOPIC or error.fatal():
-                            self._fail(
-                                BrokerUnavailable(
-                                    f"Kafka consumer of {message.topic()!r}: {_describe(error)}"
-                                )
-                            )
-                        else:
-                            log.warning("Kafka consumer: %s", _describe(error))
-                        continue
-                    token = Token(
-                        message.topic() or "", message.partition() or 0, message.offset() or 0, 0
-                    )
-                    state = self._partitions.get((token.topic, token.partition))
-                    if state is None:  # revoked meanwhile
-                        continue
-                    state.handed.append([token.offset, 0])
-                    self._held += 1
-                    got.append(to_incoming(message, token._replace(epoch=state.epoch)))
+            got = self._take(messages)
             if got:
                 self._loop_call(self._deliver, got)
+
+    def _take(self, messages: list[Message]) -> list[Incoming]:
+        """The records of one consume() as the inbox sees them, each one
+        noted as handed out (in the consume thread: the hot path, one pass,
+        each partition's state looked up once a batch)."""
+        got: list[Incoming] = []
+        states: dict[tuple[str, int], _Partition | None] = {}
+        with self._lock:
+            for message in messages:
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    if error.code() in _MISSING_TOPIC or error.fatal():
+                        self._fail(
+                            BrokerUnavailable(
+                                f"Kafka consumer of {message.topic()!r}: {_describe(error)}"
+                            )
+                        )
+                    else:
+                        log.warning("Kafka consumer: %s", _describe(error))
+                    continue
+                place = (message.topic() or "", message.partition() or 0)
+                if place in states:
+                    state = states[place]
+                else:
+                    state = states[place] = self._partitions.get(place)
+                if state is None:  # revoked meanwhile
+                    continue
+                offset = message.offset() or 0
+                state.handed.append([offset, 0])
+                got.append(to_incoming(message, Token(place[0], place[1], offset, state.epoch)))
+            self._held += len(got)
+        return got
 
     def _loop_call(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
