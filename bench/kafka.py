@@ -19,7 +19,15 @@ beside references measured in the same run.
 - `inbox_batch`: `relay inbox` with a batch handler (bench.handlers:batch)
   over those N records, as a consumer group, its steady rate over the
   Kafka drain (relay's `outbox` above, as `wire` judges the RabbitMQ inbox
-  against the RabbitMQ drain) and over the bare consumer.
+  against the RabbitMQ drain) and over the bare consumer;
+- `*_relay_us_per_msg`, `*_pg_us_per_msg`: the CPU a message of relay's
+  processes and of its database's backends (Spent) for each daemon, and
+  `rabbitmq_*` the same two daemons over RabbitMQ in the same run.
+
+    .venv/bin/python -m bench.run --only kafka_backlog [--backlog N]
+
+`kafka_backlog` (opt-in too): each daemon over N (1,000,000) messages on
+Kafka, the rate over the first fifth and the last, and the CPU a message.
 """
 
 from __future__ import annotations
@@ -296,11 +304,12 @@ async def scenario_kafka_backlog(res: Resources, sz: Sizes, report: Report) -> N
     """Issue 46's backlog: `relay outbox --once` over N pending rows to a
     Kafka topic of six partitions, then `relay inbox` (batch handler) over
     the N records it produced, as bench.backlog's `backlog` does on
-    RabbitMQ (on the shared PostgreSQL, no VACUUM between): each one's
+    RabbitMQ (on a PostgreSQL of its own with the default settings, as
+    `backlog`: bench.run's OWN_SERVER; no VACUUM between): each one's
     rate over its first fifth and its last, and the CPU a message."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from bench.backlog import _report_fifths
+    from bench.backlog import _report_fifths, window_rate
     from tests.kafka_server import KafkaServer
 
     count = sz.backlog
@@ -317,6 +326,19 @@ async def scenario_kafka_backlog(res: Resources, sz: Sizes, report: Report) -> N
         points, spent = await run_inbox(res, url, broker, MEASURED_TOPIC, count)
         _report_fifths(report, "kafka_backlog", "inbox", points, count)
         spent.report(report, "kafka_backlog", "inbox", count)
+        # The receiver's storing rate per fifth (as `backlog`'s): tells a
+        # slower handling from a receiver (or broker) that fell behind.
+        stored = await batch_times(url, "inbox", "received_at")
+        report.add(
+            "kafka_backlog",
+            "inbox_receive_fifths",
+            window_rate(stored, 0.0, 1.0) or 0.0,
+            "msgs/s",
+            fifths=[
+                round(r) if (r := window_rate(stored, i / 5, (i + 1) / 5)) else None
+                for i in range(5)
+            ],
+        )
         await res.drop_database(url)
     finally:
         await asyncio.to_thread(server.close)

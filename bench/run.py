@@ -638,7 +638,7 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
 OPT_IN = frozenset({"kafka", "kafka_backlog"})
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
-OWN_SERVER = frozenset({"backlog", "retention"})
+OWN_SERVER = frozenset({"backlog", "retention", "kafka_backlog"})
 
 
 # --------------------------------------------------------------------------
