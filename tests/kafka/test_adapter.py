@@ -41,6 +41,18 @@ def publisher(kafka: Kafka, extra: str = ""):
     return make_publisher(BrokerURL.parse(kafka.url(extra)), exchange="relay", workers=4)
 
 
+def group_consumer(kafka: Kafka, topic: str):
+    """relay's consumer of `topic` as the group g-TOPIC."""
+    return make_consumer(
+        BrokerURL.parse(kafka.url()),
+        queue=topic,
+        exchange="relay",
+        binds=(),
+        prefetch=100,
+        consumer_name="g-" + topic,
+    )
+
+
 async def test_a_record_carries_the_contracts_key_value_timestamp_and_headers(kafka: Kafka):
     topic = kafka.topic("wire")
     full = row(
@@ -118,14 +130,7 @@ async def test_the_consumer_commits_only_behind_acknowledged_records(kafka: Kafk
     for n in range(5):
         kafka.produce(topic, b'{"n": %d}' % n, flush=False)
     kafka.flush()
-    consumer = make_consumer(
-        BrokerURL.parse(kafka.url()),
-        queue=topic,
-        exchange="relay",
-        binds=(),
-        prefetch=100,
-        consumer_name="g-" + topic,
-    )
+    consumer = group_consumer(kafka, topic)
     batches = consumer.batches(10, 0.3)
     try:
         got = []
@@ -156,14 +161,7 @@ async def test_over_its_limit_the_consumer_waits_then_pauses_and_loses_nothing(
     for n in range(total):
         kafka.produce(topic, b'{"n": %d}' % n, flush=False)
     kafka.flush()
-    consumer = make_consumer(
-        BrokerURL.parse(kafka.url()),
-        queue=topic,
-        exchange="relay",
-        binds=(),
-        prefetch=100,
-        consumer_name="g-" + topic,
-    )
+    consumer = group_consumer(kafka, topic)
     consumer.max_held = 5
     batches = consumer.batches(1000, 0.05)
     pending = asyncio.ensure_future(anext(batches))
