@@ -221,6 +221,17 @@ async def sample_activity(url: str, stop: asyncio.Event, every: float = 0.1) -> 
     }
 
 
+async def transactions(url: str) -> int:
+    """Transactions committed and rolled back in `url`'s database so far."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+            "WHERE datname = current_database()"
+        )
+        row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+
 def latency_figures(latencies: list[float]) -> dict[str, float]:
     latencies = sorted(latencies)
     if not latencies:
@@ -278,6 +289,7 @@ async def trickle(
         await asyncio.sleep(settle)
         cpu = {"relay": cpu_seconds(proc.pid), "postgresql": server_cpu_seconds(server)}
         load = loadavg()
+        xacts = await transactions(url)
         sampling = asyncio.Event()
         sampler = asyncio.create_task(sample_activity(url, sampling))
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -303,6 +315,11 @@ async def trickle(
             elapsed = time.monotonic() - start
         sampling.set()
         activity = await sampler
+        # Every transaction in the database meanwhile (the relay's claims,
+        # empty or not, its jobs', the producers' and the backlog's own).
+        activity["transactions_per_trickle_row"] = round(
+            (await transactions(url) - xacts) / max(1, len(committed)), 2
+        )
         cpu = {
             name: round((now - cpu[name]) / elapsed * 100, 1)
             for name, now in (
