@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -60,6 +61,9 @@ from bench.harness import metrics
 from bench.pgserver import OwnPostgres, own_postgres
 from relay.db.schema import sql_script
 
+# How long the trickle scenario waits for its backlog to drain after the
+# trickle (then reports the rows left and the rate until then).
+DRAIN_WAIT = 300.0
 # More `relay outbox` flags for every daemon here (--relay-arg).
 EXTRA: list[str] = []
 
@@ -184,7 +188,8 @@ async def drained(url: str, schema: str) -> tuple[int, float | None, float | Non
         )
         row = await cur.fetchone()
         assert row is not None
-        return int(row[0]), *(None if v is None else float(v) for v in row[1:])
+        first, last = (None if v is None else float(v) for v in row[1:])
+        return int(row[0]), first, last
 
 
 async def sample_activity(url: str, stop: asyncio.Event, every: float = 0.1) -> dict[str, Any]:
@@ -329,15 +334,17 @@ async def trickle(
         }
         if backlog_task is not None:
             await backlog_task
-        deadline = time.monotonic() + 30
+        # Late rows and an undrained backlog are reported, not fatal: a
+        # relay that falls behind on a busy machine still gives figures.
+        deadline = time.monotonic() + 60
         while len(received.keys() & committed.keys()) < len(committed):
             if time.monotonic() > deadline:
-                raise BenchError(f"{len(committed) - len(received)} trickle rows never arrived")
+                break
             await asyncio.sleep(0.1)
-        deadline = time.monotonic() + 600
-        while backlog and (await drained(url, busy))[0]:
+        deadline = time.monotonic() + DRAIN_WAIT
+        while backlog and (left := (await drained(url, busy))[0]):
             if time.monotonic() > deadline:
-                raise BenchError(f"the backlog did not drain:\n{proc.tail()}")
+                break
             await asyncio.sleep(0.5)
         samples = await metrics(port)
         published = samples.get(f'relay_outbox_published_total{{source="postgres/{busy}"}}', 0.0)
@@ -353,7 +360,10 @@ async def trickle(
         "load_before": load,
         "load_after": loadavg(),
         "backlog": backlog,
-        **latency_figures([(received[i] - t) * 1000 for i, t in committed.items()]),
+        **latency_figures(
+            [(received[i] - t) * 1000 for i, t in committed.items() if i in received]
+        ),
+        "not_arrived_in_60s": len(committed.keys() - received.keys()),
         "cpu_pct": cpu,
         "rss_peak_mb": round(proc.rss.hwm_kb / 1024, 1),
         "activity": activity,
@@ -361,14 +371,17 @@ async def trickle(
     if backlog and backlog_after is None:
         figure["backlog_published_meanwhile"] = int(published)
     elif backlog:
-        _, first, last = await drained(url, busy)
+        left, first, last = await drained(url, busy)
         assert first is not None and last is not None
         # The trickle's rows committed while the backlog drained.
         during = [
-            (received[i] - t) * 1000 for i, t in committed.items() if first <= t + wall <= last
+            (received[i] - t) * 1000
+            for i, t in committed.items()
+            if i in received and first <= t + wall <= last
         ]
         figure["during_drain"] = latency_figures(during)
-        figure["backlog_msgs_s"] = round(backlog / (last - first))
+        figure["backlog_left_undrained"] = left
+        figure["backlog_msgs_s"] = round((backlog - left) / (last - first))
     return figure
 
 
@@ -429,12 +442,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.drain_alone and args.backlog:
                 # The same rows drained by a relay of that source alone: as
                 # in the trickle, committed just before (no VACUUM).
-                alone = await drain_rate(
+                alone_rate = await drain_rate(
                     url, args.backlog, 0, exchange, logs, args.poll_interval, vacuum=False
                 )
-                figure["backlog_alone_msgs_s"] = round(alone)
+                figure["backlog_alone_msgs_s"] = round(alone_rate)
                 if "backlog_msgs_s" in figure:
-                    figure["backlog_ratio"] = round(figure["backlog_msgs_s"] / alone, 3)
+                    figure["backlog_ratio"] = round(figure["backlog_msgs_s"] / alone_rate, 3)
             print(json.dumps(figure), flush=True)
             results["trickle"] = figure
         if args.drain:
@@ -505,6 +518,9 @@ def main() -> None:
     out = REPO / "bench" / "results" / f"{time.strftime('%Y-%m-%dT%H%M')}-sources.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"saved {out.relative_to(REPO)}")
+    trickled = results.get("trickle", {})
+    if trickled.get("not_arrived_in_60s") or trickled.get("backlog_left_undrained"):
+        sys.exit("rows were lost or left: see not_arrived_in_60s, backlog_left_undrained")
 
 
 if __name__ == "__main__":
