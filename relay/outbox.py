@@ -299,7 +299,7 @@ class OutboxRelay:
                 await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
             self.last_progress = time.monotonic()
-            if not (scout and wakeup.is_set() and not blocked and done < self.settings.batch_size):
+            if not (scout and wakeup.is_set() and not blocked and done < self.batch_size):
                 # A scout woken during its batch stays one: it claims every
                 # key again, in place of a second scout (wake()); after a
                 # full batch the workers claim their own shares, as ever.
