@@ -3,11 +3,12 @@ and the inbox consumer.
 
 confluent-kafka's Producer and Consumer are synchronous handles on
 librdkafka's own threads. The publisher produces from the event loop (a
-produce() only queues the record) and a thread of its own serves the
-delivery reports (poll), which resolve one future per publish() call, as
-faststream does. The consumer runs librdkafka's consume loop in a thread of
-its own and hands batches to the event loop; offsets are committed by hand,
-only behind records whose rows are committed.
+produce() only queues the record) and polls for the delivery reports there
+too (a task while idle, every millisecond while a batch waits), which
+resolve one future per publish() call, as faststream's polling task does.
+The consumer runs librdkafka's consume loop in a thread of its own and
+hands batches to the event loop; offsets are committed by hand, only
+behind records whose rows are committed.
 
 What relay sets on each client, and why, is docs/kafka.md; the URL's
 properties (relay.config.parse_kafka_url) come first and relay's own

@@ -32,7 +32,8 @@ def daemon_options(f: F, *, several: bool = False) -> F:
                 "--broker-url",
                 required=True,
                 help="amqp://user:pass@host:port/vhost (several RabbitMQ nodes: comma-separated) "
-                "or sqs://[?region=..&endpoint_url=..]",
+                "sqs://[?region=..&endpoint_url=..] "
+                "or kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT..][?PROPERTY=VALUE&..]",
             ),
             option(
                 "--batch-size",
@@ -190,7 +191,12 @@ def outbox(once: bool, **kwargs: Any) -> None:
 
 @click.command()
 @daemon_options
-@option("--queue", required=True, help="queue to consume (RabbitMQ: declared durable if missing)")
+@option(
+    "--queue",
+    required=True,
+    help="queue to consume (RabbitMQ: declared durable if missing; SQS: its name; "
+    "Kafka: TOPIC[,TOPIC..])",
+)
 @option(
     "--bind",
     "binds",
