@@ -92,8 +92,16 @@ class OutboxRelay:
         """Rows were committed (a notification). Each busy worker claims
         again after its batch; of the idle ones, one claims the due rows of
         every key (a scout) and the rest sleep on, so a quiet relay answers
-        a notification with one claim rather than one per worker."""
-        scout = min(self._idle, default=None)
+        a notification with one claim rather than one per worker. While a
+        scout's batch is in hand, no second scout starts: that one claims
+        every key again after its batch (see _worker). A second scout's
+        claim found the first's shares locked (ShareBusy) or the keys of
+        its rows held (blocked), and woke every idle worker to wait in
+        PostgreSQL for the share locks the first held until its commit:
+        100 trickling sources kept dozens of sessions waiting on those
+        locks and more idle in a transaction (docs/multi-source.md)."""
+        busy_scout = any(worker not in self._idle for worker in self._scouts)
+        scout = None if busy_scout else min(self._idle, default=None)
         if scout is not None:
             self._scouts.add(scout)
         for worker, event in self._wakeups.items():
@@ -291,7 +299,11 @@ class OutboxRelay:
                 await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
             self.last_progress = time.monotonic()
-            self._scouts.discard(worker)
+            if not (scout and wakeup.is_set() and not blocked and done < self.batch_size):
+                # A scout woken during its batch stays one: it claims every
+                # key again, in place of a second scout (wake()); after a
+                # full batch the workers claim their own shares, as ever.
+                self._scouts.discard(worker)
             if blocked:
                 # Another worker or relay holds the head of these keys; it
                 # commits in milliseconds, and nothing will notify us when it

@@ -25,7 +25,7 @@ from relay.backoff import Backoff, reconnect_backoff, until_available
 from relay.brokers import Consumer, Publisher, kind_of, make_consumer, make_publisher
 from relay.claimcheck.inbound import Inbound
 from relay.config import DaemonSettings, InboxSettings, OutboxSettings
-from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
+from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, SharedListeners, Store
 from relay.db.connect import check_tls
 from relay.db.writer import InboxWriter
 from relay.handlers import HandlerRegistry, is_async
@@ -120,13 +120,15 @@ def outbox_service(
     pool_size: int = 2,
     stagger: bool = False,
     one_poll: bool = False,
+    listeners: SharedListeners | None = None,
 ) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
     listener, the scheduled jobs, probes and metrics (not running yet).
     `metrics`: one source's view of an outbox of several (relay.sources),
     which keeps fewer idle connections for its jobs (`pool_size`), spreads
     their runs (`stagger`: relay.maintenance.run_scheduler) and polls once
-    per --poll-interval rather than once per worker (`one_poll`)."""
+    per --poll-interval rather than once per worker (`one_poll`), and
+    listens through its database's shared listener (`listeners`)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
@@ -189,7 +191,12 @@ def outbox_service(
             stagger=stagger,
         ),
     }
-    if not once:
+    if not once and listeners is not None:
+        shared = listeners
+        background["listener"] = lambda stop: shared.serve(
+            store, NOTIFY_OUTBOX, relay.wake, settings.listen_url
+        )
+    elif not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
     if poller:
