@@ -120,7 +120,7 @@ async def resolve(
                 message,
                 unfetched=f"the message is a claim check pointer to {where(*pointer)}, whose "
                 f"object could not be read: {data}; it is kept as received, and relay "
-                "retry (with --claim-check) fetches it again",
+                "retry fetches it again",
             )
     return out, count, size
 
@@ -129,17 +129,33 @@ def is_pointer(message: Incoming) -> bool:
     return has_size(message.headers) and read_pointer(message.body) is not None
 
 
-def parts(batch: Sequence[Incoming], pointers: int) -> list[Sequence[Incoming]]:
+def declared_size(headers: Mapping[str, Any]) -> int:
+    """The body's size as the pointer's attribute declares it (0 if unreadable)."""
+    for name in SIZE_ATTRIBUTES:
+        try:
+            return max(0, int(headers[name]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return 0
+
+
+def parts(
+    batch: Sequence[Incoming], pointers: int, max_bytes: int | None = None
+) -> list[Sequence[Incoming]]:
     """The batch in consecutive parts of at most `pointers` claim check
-    pointers each (the whole batch, as it is, when it holds that few)."""
+    pointers each, whose declared sizes add up to at most `max_bytes` (but
+    for one pointer larger than that, alone): the whole batch, as it is,
+    when it holds that few."""
     out: list[Sequence[Incoming]] = []
-    start = count = 0
+    start = count = size = 0
     for index, message in enumerate(batch):
         if is_pointer(message):
-            if count == pointers:
+            more = declared_size(message.headers)
+            if count == pointers or (count and max_bytes is not None and size + more > max_bytes):
                 out.append(batch[start:index])
-                start, count = index, 0
+                start, count, size = index, 0, 0
             count += 1
+            size += more
     if start == 0:
         return [batch]
     out.append(batch[start:])

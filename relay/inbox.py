@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from relay import batches, storable, tracing
 from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
+from relay.budget import Budget
 from relay.config import InboxSettings
 from relay.db import Store, connection_invalidated
 from relay.errors import HandlerHung, Unavailable
@@ -74,8 +75,14 @@ class Dispatcher:
         pace: Pace | None = None,
         worker: int = 0,
         workers: int = 1,
+        budget: Budget | None = None,
     ) -> None:
         self.settings = settings
+        # The bytes of claimed rows the daemon's dispatchers hold, shared by
+        # them all (relay.budget); the size of a row the last claim could
+        # not take, which the next one waits for.
+        self.budget = budget or Budget(settings.batch_bytes, 1, metrics.held_bytes.set)
+        self._need: int | None = None
         self.worker = worker
         self.workers = workers
         self.store = store
@@ -129,29 +136,55 @@ class Dispatcher:
         blocking connection (a Store made with sync=True): a round trip costs
         less CPU than through asyncio (docs/inbox.md), and this thread
         lets go of the GIL while it waits. Otherwise it runs inside run_sync
-        on the async engine, where async handlers are awaited."""
+        on the async engine, where async handlers are awaited.
+
+        The claim takes rows up to the bytes the daemon's budget grants it
+        (--batch-bytes, relay.budget), given back once the batch is done."""
+        grant = await self.budget.take(self._need, self.stopping)
+        if not grant:
+            return 0, 0  # stopping
+        held = [grant, 0]  # granted and not yet claimed; claimed
         try:
             if self.store.sync_engine is not None:
                 with self.store.sync_transaction() as conn:
-                    outcome = self._batch(conn, None)
+                    outcome = self._batch(conn, None, held)
             else:
                 async with self.store.transaction() as async_conn:
-                    outcome = await async_conn.run_sync(self._batch, async_conn)
+                    outcome = await async_conn.run_sync(self._batch, async_conn, held)
         finally:
+            self.budget.claimed(held[0], 0)
+            self.budget.release(held[1])
             self.metrics.handler_seconds.observe_all(self.handler_times)
             self.handler_times.clear()
         return self._report(*outcome)
 
+    @property
+    def stopped_short(self) -> bool:
+        """Whether the last claim stopped at a row its grant of the byte
+        budget could not take: more rows wait, as after a full batch."""
+        return self._need is not None
+
     def _batch(
-        self, conn: Any, async_conn: Any
+        self, conn: Any, async_conn: Any, held: list[int]
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]], dict[str, str], int]:
         s = self.settings
         consumer = s.consumer_name
+        grant = held[0]
         # The claim's planner settings are turned off by the savepoints'
         # first round trip (Store.claim_inbox), before any handler runs.
-        rows, blocked = self.store.claim_inbox(
-            conn, consumer, s.batch_size, s.on_dead, self.worker, self.workers, unplan=False
+        rows, blocked, used, self._need = self.store.claim_inbox(
+            conn,
+            consumer,
+            s.batch_size,
+            s.on_dead,
+            self.worker,
+            self.workers,
+            unplan=False,
+            budget=grant,
+            alone=self.budget.alone(grant),
         )
+        self.budget.claimed(grant, used)
+        held[:] = [0, used]
         if not rows:
             return [], [], {}, blocked
         processed, failed = self._run_handlers(conn, async_conn, rows)
@@ -531,9 +564,9 @@ class Dispatcher:
                 continue
             self.last_progress = time.monotonic()
             if self.pace is not None:
-                caught_up = done + blocked < self.settings.batch_size
+                caught_up = done + blocked < self.settings.batch_size and not self.stopped_short
                 self.pace.dispatched(self.worker, done, caught_up, stored_before_claim)
-            if done:
+            if done or self.stopped_short:
                 continue
             if blocked:
                 await asyncio.sleep(BLOCKED_RETRY)

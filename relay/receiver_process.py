@@ -68,6 +68,7 @@ class LocalReceiver:
                 prefetch=settings.prefetch,
                 queue_type=settings.queue_type,
                 queue_args=settings.queue_args,
+                max_bytes=settings.batch_bytes,
             )
         self.consumer = consumer
         self.writer = InboxWriter(settings.database_url, settings.schema)

@@ -129,7 +129,7 @@ class Receiver:
         stored: list[NewInboxRow] = []
         new: set[str] = set()
         fetched = fetched_bytes = 0
-        parts = claimcheck.parts(batch, FETCHED_AT_ONCE)
+        parts = claimcheck.parts(batch, FETCHED_AT_ONCE, self.settings.batch_bytes)
         for part in parts:
             resolved, count, size = await self._resolve(part)
             fetched, fetched_bytes = fetched + count, fetched_bytes + size

@@ -18,6 +18,7 @@ import time
 from relay import tracing
 from relay.backoff import reconnect_backoff, until_available
 from relay.brokers import Consumer, make_publisher
+from relay.budget import Budget
 from relay.config import DaemonSettings, InboxSettings, OutboxSettings
 from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
 from relay.db.connect import check_tls
@@ -234,6 +235,8 @@ def inbox_service(
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(fn) for fn in registry.functions())
+    # The dispatchers' claims share the daemon's byte budget (--batch-bytes).
+    budget = Budget(settings.batch_bytes, DISPATCHERS, metrics.held_bytes.set)
 
     def make_dispatcher(worker: int) -> DispatcherThread:
         return DispatcherThread(
@@ -249,6 +252,7 @@ def inbox_service(
                     pace=pace,
                     worker=worker,
                     workers=DISPATCHERS,
+                    budget=budget,
                 ),
             )
         )

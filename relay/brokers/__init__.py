@@ -122,7 +122,9 @@ def row_headers(row: OutboxRow) -> dict[str, str]:
 # digits is compacted as text instead: PostgreSQL renders jsonb with ", "
 # and ": " between items and no other whitespace outside strings.
 _LONG_DIGITS = re.compile(r"[0-9]{16,}")
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[^"]+')
+# Strings in the unrolled form, as relay.limits' _STRINGS (one engine step per
+# run of plain characters, not one per character).
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+')
 
 
 def row_body(row: OutboxRow) -> bytes:
@@ -198,7 +200,11 @@ def make_consumer(
     prefetch: int,
     queue_type: str | None = None,
     queue_args: Sequence[tuple[str, str | int]] = (),
+    max_bytes: int | None = None,
 ) -> Consumer:
+    """The queue's consumer; RabbitMQ's holds at most about `max_bytes` of
+    bodies received and not yet acknowledged (SQS's receives are bounded by
+    their count of ten and SQS's message size)."""
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpConsumer
 
@@ -210,6 +216,7 @@ def make_consumer(
             prefetch=prefetch,
             queue_type=queue_type,
             queue_args=queue_args,
+            max_bytes=max_bytes,
         )
     from relay.brokers.sqs import SqsConsumer
 

@@ -679,9 +679,18 @@ class AmqpConsumer(_Client):
         prefetch: int,
         queue_type: str | None = None,
         queue_args: Sequence[tuple[str, str | int]] = (),
+        max_bytes: int | None = None,
     ) -> None:
         self._init_nodes(url)
         self.queue = queue
+        # The bytes of the bodies received and not yet acknowledged: past
+        # max_bytes the frames are left unread until an ack brings them
+        # under it (RabbitMQ bounds deliveries by count only: the prefetch).
+        self.max_bytes = max_bytes
+        self._held = 0
+        self._underlay: object = None  # the channel whose deliveries are counted
+        self._room = asyncio.Event()
+        self._room.set()
         self.exchange = exchange
         self.binds = tuple(binds)
         self.prefetch = prefetch
@@ -707,6 +716,7 @@ class AmqpConsumer(_Client):
         # Deliveries of the old channel can no longer be acked: drop them,
         # the broker redelivers them.
         self._received = asyncio.Queue()
+        self._hold(-self._held)
         connection = await self._connect_node()
         try:
             channel = await connection.channel()
@@ -730,8 +740,12 @@ class AmqpConsumer(_Client):
                 await queue.bind(exchange, routing_key=pattern)
             received = self._received
 
+            def put(message: Incoming) -> None:
+                self._hold(len(message.body))
+                received.put_nowait(message)
+
             async def on_message(message: DeliveredMessage) -> None:
-                received.put_nowait(_from_pamqp(message))
+                put(_from_pamqp(message))
 
             # Consumed on aiormq's channel: aio-pika would wrap each delivery
             # in an IncomingMessage and a task of its own, a share of the
@@ -742,12 +756,12 @@ class AmqpConsumer(_Client):
             # are handed over from the channel's reader, without aiormq's
             # task per delivery (deliver_directly). on_message is aiormq's
             # own path, kept as the callback basic_consume wants.
-            underlay = await channel.get_underlay_channel()
-            aiormq_internals.deliver_directly(
-                underlay, lambda message: received.put_nowait(_from_pamqp(message))
-            )
+            underlay = self._underlay = await channel.get_underlay_channel()
+            aiormq_internals.deliver_directly(underlay, lambda message: put(_from_pamqp(message)))
             self.frames_read_by_relay = aiormq_internals.read_frames_with(
-                connection, _Deliveries(underlay, received.put_nowait)
+                connection,
+                _Deliveries(underlay, put),
+                self._room if self.max_bytes is not None else None,
             )
             await underlay.basic_consume(queue.name, on_message)
             # Bound to this connection's queue: the old channel of a lost
@@ -767,6 +781,14 @@ class AmqpConsumer(_Client):
             redact_url(self.url),
             ", ".join(self.binds) or "none",
         )
+
+    def _hold(self, change: int) -> None:
+        """Count bodies received (+) or acknowledged (-); open or close the room."""
+        self._held += change
+        if self.max_bytes is None or self._held < self.max_bytes:
+            self._room.set()
+        else:
+            self._room.clear()
 
     def _refused(self, exc: BaseException) -> ConfigError:
         """RabbitMQ refused to declare the queue as --queue-type/--queue-arg ask."""
@@ -826,6 +848,8 @@ class AmqpConsumer(_Client):
             # Deliveries arrive and are stored in order, so one multiple-ack
             # on the last delivery tag acknowledges the whole batch.
             await channel.basic_ack(tag, multiple=True)
+            if channel is self._underlay:  # not a channel of a lost connection
+                self._hold(-sum(len(message.body) for message in batch))
         except Exception as exc:
             # aiormq rejects pending operations with a bare Exception when a
             # channel closes without a reason: judge by the channel's state.
