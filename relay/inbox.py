@@ -466,6 +466,9 @@ class Dispatcher:
         """The Message a handler gets for a row, or why it cannot get one."""
         try:
             headers = storable.loads(row.headers) if row.headers else {}
+            # The parsed payload is the handler's; the row's text stays
+            # with the claimed batch (its bytes are what the budget counts,
+            # relay.budget), so a row in hand costs about twice its size.
             payload = storable.loads(row.payload) if row.payload is not None else None
         except ValueError as exc:  # stored by hand, or by an older relay
             return Failure(

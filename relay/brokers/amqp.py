@@ -18,7 +18,7 @@ import functools
 import logging
 import re
 import ssl
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import aio_pika
@@ -376,6 +376,11 @@ class AmqpPublisher(_Client):
         table: Mapping[str, str | int] = headers
         if row.attributes:  # added above the broker (relay.rows.OutboxRow)
             table = {**headers, **dict(row.attributes)}
+        # The copies of a body that stay, one row at a time: the compact body
+        # (the payload is PostgreSQL's text of the jsonb, with spaces, and
+        # the wire carries it compact, numbers exact), then its frames (cut
+        # to the connection's frame size, with their heads: what the socket
+        # is given); the body goes when this returns, the frames once written.
         body = row_body(row)
         if len(body) > self.max_message_size:
             raise BadMessage(
@@ -438,7 +443,11 @@ class AmqpPublisher(_Client):
                     channel, batch, [rows[index].id for index in indexes]
                 )
                 try:
-                    await aiormq_internals.write(channel, b"".join(frames))
+                    for payload in _writes(frames):
+                        await aiormq_internals.write(channel, payload)
+                    # Not kept while the confirms come: the payloads' text
+                    # (the rows') is all the batch holds of its bodies then.
+                    frames.clear()
                 except _CONNECTION_ERRORS as exc:
                     raise _unavailable(exc, self.url) from exc
         if not indexes:
@@ -605,6 +614,33 @@ def _from_pamqp(message: DeliveredMessage) -> Incoming:
     )
 
 
+# Frames at least this large are written as they are, not joined with the
+# others of their batch (the joined copy of a batch of large messages was a
+# copy of all their bodies at once); smaller ones are joined into writes of
+# about this size, so that a batch of small messages is still one write.
+JOIN_UNDER = 1 << 20
+
+
+def _writes(frames: list[bytes]) -> Iterator[bytes]:
+    """A batch's encoded publishes as the writes that carry them, in order."""
+    group: list[bytes] = []
+    size = 0
+    for frame in frames:
+        if len(frame) >= JOIN_UNDER:
+            if group:
+                yield b"".join(group)
+                group, size = [], 0
+            yield frame
+            continue
+        group.append(frame)
+        size += len(frame)
+        if size >= JOIN_UNDER:
+            yield b"".join(group)
+            group, size = [], 0
+    if group:
+        yield b"".join(group)
+
+
 class _Deliveries:
     """The deliveries of the consumer's channel, taken from the connection's
     frame reader (aiormq_internals.read_frames_with) and decoded by
@@ -662,6 +698,8 @@ class _Deliveries:
         assert method is not None and header is not None
         self.method = self.header = None
         self.parts = []
+        # One bytes object for the body (the frames' parts joined: the copy
+        # that stays, as the inbox row's payload is made from one text).
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         self.deliver(_incoming(self.channel, *method, *header[:3], body, *header[3:]))
 
