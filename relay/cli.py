@@ -173,11 +173,11 @@ def _daemon_options(f: F, *, several: bool = False) -> F:
             ),
             option(
                 "--batch-bytes",
-                default="32MiB",
+                default="16MiB",
                 show_default=True,
                 metavar="SIZE",
                 help="bytes of payloads the daemon holds at once, its batches together "
-                "(a larger row is taken alone; 32MiB, 1GiB or bytes)",
+                "(a larger row is taken alone; 16MiB, 1GiB or bytes)",
             ),
             option(
                 "--poll-interval",

@@ -275,10 +275,12 @@ class BrokerURL:
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
 _SIZE_UNITS = {"": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 DEFAULT_CLAIM_CHECK_OVER = 256 * 1024
-# --batch-bytes: the rows a daemon holds cost it about three to six times
-# their payloads' bytes in memory (docs/operations.md), so 32 MiB keeps a
-# daemon near 200 MiB at most, in a 256 MiB container.
-DEFAULT_BATCH_BYTES = 32 * 1024 * 1024
+# --batch-bytes: a byte of payload held costs a daemon about three to six
+# bytes of memory on its way (docs/operations.md); with 16 MiB the outbox
+# and the inbox (with its receiver) stay well inside 256 and 384 MiB with
+# rows of 10 MiB (tests/ops/test_memory_limit.py; 32 MiB took the inbox
+# to 370 MiB of 384 with claim checked bodies).
+DEFAULT_BATCH_BYTES = 16 * 1024 * 1024
 # S3 bucket names: 3-63 lowercase letters, digits, dots and hyphens.
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 

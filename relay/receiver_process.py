@@ -41,7 +41,7 @@ from relay.db.connect import password_command, use_password_command
 from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, Lead, LeadGate, Pace
-from relay.receiving import Receiver, Report
+from relay.receiving import RECEIVED_SHARE, Receiver, Report
 
 log = logging.getLogger("relay.inbox")
 
@@ -68,7 +68,7 @@ class LocalReceiver:
                 prefetch=settings.prefetch,
                 queue_type=settings.queue_type,
                 queue_args=settings.queue_args,
-                max_bytes=settings.batch_bytes,
+                max_bytes=settings.batch_bytes // RECEIVED_SHARE,
             )
         self.consumer = consumer
         self.writer = InboxWriter(settings.database_url, settings.schema)

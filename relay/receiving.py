@@ -33,6 +33,14 @@ log = logging.getLogger("relay.inbox")
 BATCH_WAIT = 0.005
 # Claim check bodies fetched and held at once (a batch is stored in parts).
 FETCHED_AT_ONCE = 4
+# Of --batch-bytes, the receiver's (the dispatchers' claims hold as much
+# again, relay.budget): the bodies received and not yet acknowledged, a
+# half (each costs about four times its size on its way into the INSERT:
+# the bytes, the text, the JSON parameter, libpq's copy of it), and of claim
+# check bodies fetched at once, a quarter (boto3's read and orjson's parse
+# of each come on top). Measured in tests/ops/test_memory_limit.py.
+RECEIVED_SHARE = 2
+FETCHED_SHARE = 4
 
 # (messages received, rows new to the table, new rows stored as dead,
 # messages whose body was fetched from S3 by claim check, bytes fetched)
@@ -129,7 +137,7 @@ class Receiver:
         stored: list[NewInboxRow] = []
         new: set[str] = set()
         fetched = fetched_bytes = 0
-        parts = claimcheck.parts(batch, FETCHED_AT_ONCE, self.settings.batch_bytes)
+        parts = claimcheck.parts(batch, FETCHED_AT_ONCE, self.settings.batch_bytes // FETCHED_SHARE)
         for part in parts:
             resolved, count, size = await self._resolve(part)
             fetched, fetched_bytes = fetched + count, fetched_bytes + size

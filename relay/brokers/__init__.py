@@ -203,8 +203,8 @@ def make_consumer(
     max_bytes: int | None = None,
 ) -> Consumer:
     """The queue's consumer; RabbitMQ's holds at most about `max_bytes` of
-    bodies received and not yet acknowledged (SQS's receives are bounded by
-    their count of ten and SQS's message size)."""
+    bodies received and not yet acknowledged (SQS's, at most 100 messages,
+    relay.brokers.sqs.MAX_HELD, of SQS's 1 MiB at most each)."""
     if broker.kind == "amqp":
         from relay.brokers.amqp import AmqpConsumer
 

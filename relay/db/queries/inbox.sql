@@ -57,22 +57,21 @@ WITH low AS MATERIALIZED (
     SELECT s.*, sum(s.size) OVER w AS upto, row_number() OVER w AS nth
     FROM (SELECT t.*, coalesce({size}, 0) AS size FROM stored t WHERE t.before <= :budget OR t.rn <= 2) s
     WINDOW w AS (ORDER BY s.seq ROWS UNBOUNDED PRECEDING)
-), fitting AS (
-    SELECT z.*, lag(z.fits, 1, true) OVER (ORDER BY z.seq) AS shown
-    FROM (SELECT y.*, y.upto <= :budget OR (y.nth = 1 AND CAST(:alone AS int) = 1) AS fits
-          FROM sized y) z
 )
 SELECT l.message_id, l.seq, l.topic, l.key, l.type,
-       CASE WHEN l.fits THEN l.payload::text END AS payload,
-       l.headers::text AS headers, l.attempts, l.size, l.fits,
+       CASE WHEN l.upto <= :budget OR (l.nth = 1 AND CAST(:alone AS int) = 1)
+            THEN l.payload::text END AS payload,
+       l.headers::text AS headers, l.attempts, l.size,
+       l.upto <= :budget OR (l.nth = 1 AND CAST(:alone AS int) = 1) AS fits,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM inbox e
            WHERE e.consumer = :consumer AND e.key = l.key
              AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
              AND e.status <> 'processed' AND e.status <> 'dead'
              AND e.message_id NOT IN (SELECT message_id FROM locked)) AS blocked
-FROM fitting l
-WHERE l.shown
+FROM sized l
+-- The rows that fit, and the first that does not (the one before it fits).
+WHERE l.nth = 1 OR l.upto - l.size <= :budget OR (l.nth = 2 AND CAST(:alone AS int) = 1)
 ORDER BY l.seq
 
 -- name: inbox_claim_dead_skip
