@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.claimcheck import pointer_body, read_pointer
-from relay.claimcheck.inbound import parts, resolve
+from relay.claimcheck.inbound import declared_size, parts, resolve
 from relay.config import ClaimCheckURL, parse_size
 from relay.errors import ConfigError
 from tests.conftest import (
@@ -243,6 +243,55 @@ def test_a_batch_of_pointers_is_stored_in_parts() -> None:
         ["5", "6", "7", "8"],
         ["9"],
     ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.none() | st.integers(0, 50) | st.just("bad"), max_size=30),
+    st.integers(1, 5),
+    st.none() | st.integers(1, 60),
+)
+def test_a_batch_in_parts_holds_at_most_max_bytes_of_declared_sizes(
+    sizes: list[int | str | None], pointers: int, max_bytes: int | None
+) -> None:
+    """parts(max_bytes): the batch, in order, in parts of at most `pointers`
+    pointers whose declared sizes (an unreadable one counts 0) add up to at
+    most max_bytes, but for one larger pointer alone (issue 43)."""
+    from relay.brokers import Incoming
+
+    def message(n: int, size: int | str | None) -> Incoming:
+        if size is None:  # not a pointer
+            return Incoming(str(n), "t", None, "T", b"{}", {})
+        body = pointer_body("b", str(n)).encode()
+        return Incoming(str(n), "t", None, "T", body, {"ExtendedPayloadSize": size})
+
+    batch = [message(n, size) for n, size in enumerate(sizes)]
+    split = parts(batch, pointers, max_bytes)
+    assert [m for part in split for m in part] == batch
+    for part in split:
+        declared = [declared_size(m.headers) for m in part if m.headers]
+        assert len(declared) <= pointers
+        if max_bytes is not None and len(declared) > 1:
+            assert sum(declared) <= max_bytes
+
+
+def test_the_receivers_parts_carry_its_shares_of_batch_bytes() -> None:
+    """wiring.receiver_parts: half of --batch-bytes to RabbitMQ's consumer,
+    a quarter to the claim check's parts, through the pickled factories."""
+    import pickle
+
+    from relay.config import BrokerURL, InboxSettings
+    from relay.wiring import receiver_parts
+
+    settings_ = InboxSettings(
+        database_url="postgresql://127.0.0.1/x",
+        broker=BrokerURL.parse("amqp://guest:guest@127.0.0.1/"),
+        queue="q",
+        batch_bytes="8MiB",
+    )
+    made = pickle.loads(pickle.dumps(receiver_parts(settings_)))
+    assert made.consumer().max_bytes == 4 * 1024 * 1024
+    assert made.stage is not None and made.stage().max_bytes == 2 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------
