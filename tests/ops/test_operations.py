@@ -444,6 +444,9 @@ async def test_outbox_metrics_after_a_known_workload(engine, rabbit, start_relay
     assert "# TYPE relay_outbox_publish_seconds histogram" in text
     assert "# TYPE relay_outbox_published_total counter" in text
     assert "# TYPE relay_outbox_pending gauge" in text
+    # Every batch done: no claimed row's bytes held (issue 43's gauge).
+    assert "# TYPE relay_outbox_claimed_bytes gauge" in text
+    assert metrics["relay_outbox_claimed_bytes"] == 0.0
     # A backlog shows up in the gauges: rows not due yet stay pending.
     with engine.begin() as conn:
         conn.execute(
