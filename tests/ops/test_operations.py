@@ -748,7 +748,8 @@ async def test_systemd_notify_ready_once_connected_then_watchdog_pings(
             timeout=60,
             message="READY=1",
         )
-        assert "outbox relay started" in daemon.log
+        # READY=1 goes out just before the line is written.
+        daemon.wait_for_log("outbox relay started", timeout=10)
         later = _receive(sock, 2.5)
         assert later.count("WATCHDOG=1") >= 2  # every 0.5 s: half of WATCHDOG_USEC
         daemon.signal(signal.SIGTERM)
