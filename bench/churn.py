@@ -101,7 +101,14 @@ async def _worker(
     url: str, options: str, claim: str, mark: str, args: argparse.Namespace, worker: int
 ) -> None:
     """Another worker of the same relay: its own share of the keys."""
-    params = {"limit": args.batch, "worker": worker, "workers": args.workers, "consumer": "bench"}
+    params = {
+        "limit": args.batch,
+        "worker": worker,
+        "workers": args.workers,
+        "consumer": "bench",
+        "budget": relay_session.UNBOUNDED,
+        "alone": 1,
+    }
     async with await psycopg.AsyncConnection.connect(url, options=options) as conn:
         while (claimed := await _batch(conn, claim, mark, params, args)) is not None:
             _DONE[0] += claimed
@@ -123,6 +130,8 @@ async def run(args: argparse.Namespace) -> None:
             "worker": 0,
             "workers": args.workers,
             "consumer": "bench",
+            "budget": relay_session.UNBOUNDED,
+            "alone": 1,
         }
         done, tenth = 0, max(1, args.messages // 10)
         others = [

@@ -433,6 +433,12 @@ def parse_kafka_url(url: str) -> tuple[tuple[str, str], ...]:
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
 _SIZE_UNITS = {"": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 DEFAULT_CLAIM_CHECK_OVER = 256 * 1024
+# --batch-bytes: a byte of payload held costs a daemon about three to six
+# bytes of memory on its way (docs/operations.md); with 16 MiB the outbox
+# and the inbox (with its receiver) stay well inside 256 and 384 MiB with
+# rows of 10 MiB (tests/ops/test_memory_limit.py; 32 MiB took the inbox
+# to 370 MiB of 384 with claim checked bodies).
+DEFAULT_BATCH_BYTES = 16 * 1024 * 1024
 # S3 bucket names: 3-63 lowercase letters, digits, dots and hyphens.
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -513,6 +519,9 @@ class DaemonSettings:
     database_url: str
     broker: BrokerURL | None = None
     batch_size: int = 500
+    # The bytes of claimed rows' payloads the daemon holds at once (issue 43;
+    # docs/operations.md): its workers' claims share it.
+    batch_bytes: int = DEFAULT_BATCH_BYTES
     poll_interval: float = 1.0
     max_attempts: int = 10
     backoff_min: float = 1.0
@@ -558,6 +567,7 @@ class DaemonSettings:
             url = self.claim_check
             object.__setattr__(self, "claim_check", ClaimCheckURL.parse(url) if url else None)
         object.__setattr__(self, "claim_check_over", parse_size(self.claim_check_over))
+        object.__setattr__(self, "batch_bytes", parse_size(self.batch_bytes, "--batch-bytes"))
 
     @property
     def secrets(self) -> list[str]:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from relay import batches, storable, tracing
 from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
+from relay.budget import Budget
+from relay.config import DEFAULT_BATCH_BYTES
 from relay.db import Store, connection_invalidated
 from relay.errors import HandlerHung, Unavailable
 from relay.handlers import (
@@ -67,7 +69,8 @@ class Dispatcher:
     Given what wiring read from the settings: the rows' `consumer_name`, the
     claim's `batch_size` and `on_dead`, `max_attempts` and the failed
     attempts' `backoff` for the marks, the `handler_timeout`, the idle
-    `poll_interval`, and the spans' `messaging_system` (relay.brokers.Kind.system)."""
+    `poll_interval`, and the spans' `messaging_system` (relay.brokers.Kind.system);
+    the `budget` the daemon's dispatchers' claims share (--batch-bytes, relay.budget)."""
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class Dispatcher:
         handler_timeout: float,
         poll_interval: float,
         messaging_system: str = "",
+        budget: Budget | None = None,
     ) -> None:
         self.consumer_name = consumer_name
         self.batch_size = batch_size
@@ -93,6 +97,11 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.handler_timeout = handler_timeout
         self.poll_interval = poll_interval
+        # The bytes of claimed rows the daemon's dispatchers hold, shared by
+        # them all (relay.budget: wiring's, of --batch-bytes); the size of a
+        # row the last claim could not take, which the next one waits for.
+        self.budget = budget or Budget(DEFAULT_BATCH_BYTES, 1, metrics.held_bytes.set)
+        self._need: int | None = None
         self.worker = worker
         self.workers = workers
         self.store = store
@@ -145,28 +154,54 @@ class Dispatcher:
         blocking connection (a Store made with sync=True): a round trip costs
         less CPU than through asyncio (docs/inbox.md), and this thread
         lets go of the GIL while it waits. Otherwise it runs inside run_sync
-        on the async engine, where async handlers are awaited."""
+        on the async engine, where async handlers are awaited.
+
+        The claim takes rows up to the bytes the daemon's budget grants it
+        (--batch-bytes, relay.budget), given back once the batch is done."""
+        grant = await self.budget.take(self._need, self.stopping)
+        if not grant:
+            return 0, 0  # stopping
+        held = [grant, 0]  # granted and not yet claimed; claimed
         try:
             if self.store.sync_engine is not None:
                 with self.store.sync_transaction() as conn:
-                    outcome = self._batch(conn, None)
+                    outcome = self._batch(conn, None, held)
             else:
                 async with self.store.transaction() as async_conn:
-                    outcome = await async_conn.run_sync(self._batch, async_conn)
+                    outcome = await async_conn.run_sync(self._batch, async_conn, held)
         finally:
+            self.budget.claimed(held[0], 0)
+            self.budget.release(held[1])
             self.metrics.handler_seconds.observe_all(self.handler_times)
             self.handler_times.clear()
         return self._report(*outcome)
 
+    @property
+    def stopped_short(self) -> bool:
+        """Whether the last claim stopped at a row its grant of the byte
+        budget could not take: more rows wait, as after a full batch."""
+        return self._need is not None
+
     def _batch(
-        self, conn: Any, async_conn: Any
+        self, conn: Any, async_conn: Any, held: list[int]
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]], dict[str, str], int]:
         consumer = self.consumer_name
+        grant = held[0]
         # The claim's planner settings are turned off by the savepoints'
         # first round trip (Store.claim_inbox), before any handler runs.
-        rows, blocked = self.store.claim_inbox(
-            conn, consumer, self.batch_size, self.on_dead, self.worker, self.workers, unplan=False
+        rows, blocked, used, self._need = self.store.claim_inbox(
+            conn,
+            consumer,
+            self.batch_size,
+            self.on_dead,
+            self.worker,
+            self.workers,
+            unplan=False,
+            budget=grant,
+            alone=self.budget.alone(grant),
         )
+        self.budget.claimed(grant, used)
+        held[:] = [0, used]
         if not rows:
             return [], [], {}, blocked
         processed, failed = self._run_handlers(conn, async_conn, rows)
@@ -448,6 +483,9 @@ class Dispatcher:
         """The Message a handler gets for a row, or why it cannot get one."""
         try:
             headers = storable.loads(row.headers) if row.headers else {}
+            # The parsed payload is the handler's; the row's text stays
+            # with the claimed batch (its bytes are what the budget counts,
+            # relay.budget), so a row in hand costs about twice its size.
             payload = storable.loads(row.payload) if row.payload is not None else None
         except ValueError as exc:  # stored by hand, or by an older relay
             return Failure(
@@ -544,9 +582,9 @@ class Dispatcher:
                 continue
             self.last_progress = time.monotonic()
             if self.pace is not None:
-                caught_up = done + blocked < self.batch_size
+                caught_up = done + blocked < self.batch_size and not self.stopped_short
                 self.pace.dispatched(self.worker, done, caught_up, stored_before_claim)
-            if done:
+            if done or self.stopped_short:
                 continue
             if blocked:
                 await asyncio.sleep(BLOCKED_RETRY)

@@ -23,7 +23,10 @@ MAX_SHORTSTR_BYTES = 255
 # leave room for the callers' own frames on every path.
 MAX_JSON_DEPTH = 512
 
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+# A JSON string, in the "unrolled" form: a run of plain characters is one
+# step of the regex engine, where `(?:[^"\\]|\\.)*` took one per character,
+# with a frame each: 2.3 s and 712 MiB of memory for a string of 6 MiB.
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _BRACKETS = re.compile(rb"[\[\]{}]")
 
 

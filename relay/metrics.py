@@ -13,6 +13,7 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_outbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
 | relay_outbox_publish_seconds | histogram | claim of a batch to the broker's last confirm |
 | relay_outbox_broker_blocked | gauge | 1 while the broker blocks publishing (a RabbitMQ resource alarm), else 0 |
+| relay_outbox_claimed_bytes | gauge | bytes of payloads in the rows the workers hold claimed, together (bounded by --batch-bytes) |
 | relay_outbox_claim_checked_total | counter | rows published by claim check (body stored in S3, pointer published) |
 | relay_outbox_claim_check_uploaded_bytes_total | counter | bytes of bodies stored in S3 by the claim check |
 | relay_inbox_received_total | counter | messages received from the broker |
@@ -25,6 +26,7 @@ Names (the Prometheus text format adds `_total` to counters):
 | relay_inbox_pending | gauge | pending rows in the table |
 | relay_inbox_oldest_pending_seconds | gauge | age of the oldest pending row (0: none) |
 | relay_inbox_handler_seconds | histogram | one handler run |
+| relay_inbox_held_bytes | gauge | bytes of payloads in the rows the dispatchers hold claimed, together (bounded by --batch-bytes) |
 | relay_inbox_claim_checked_total | counter | received pointers whose body was fetched from S3 (claim check) |
 | relay_inbox_claim_check_downloaded_bytes_total | counter | bytes of bodies fetched from S3 by the claim check |
 | relay_table_dead_tuples{table} | gauge | the table's dead row versions (n_dead_tup) |
@@ -198,6 +200,12 @@ class OutboxMetrics:
             labels,
             registry=r,
         )
+        self.claimed_bytes = Gauge(
+            "relay_outbox_claimed_bytes",
+            "Bytes of payloads in the outbox rows the workers hold claimed (--batch-bytes)",
+            labels,
+            registry=r,
+        )
         self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r, labels)
         # Set by relay.sources.Sources.ready (each /readyz and /metrics).
         self.source_ready = (
@@ -222,6 +230,7 @@ class OutboxMetrics:
         "claim_checked",
         "claim_check_bytes",
         "broker_blocked",
+        "claimed_bytes",
     )
     _LABELED = ("unroutable", "dead_tuples", "last_vacuum", "vacuums")
 
@@ -316,6 +325,11 @@ class InboxMetrics:
         self.claim_check_bytes = Counter(
             "relay_inbox_claim_check_downloaded_bytes",
             "Bytes of message bodies fetched from S3 by the claim check",
+            registry=r,
+        )
+        self.held_bytes = Gauge(
+            "relay_inbox_held_bytes",
+            "Bytes of payloads in the inbox rows the dispatchers hold claimed (--batch-bytes)",
             registry=r,
         )
         self.dead_tuples, self.last_vacuum, self.vacuums = _table_metrics(r)

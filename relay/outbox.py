@@ -24,6 +24,8 @@ from relay.backoff import (
     wait_to_reconnect,
 )
 from relay.brokers import Outcome, Publisher
+from relay.budget import Budget
+from relay.config import DEFAULT_BATCH_BYTES
 from relay.db import OutboxSession, Store
 from relay.errors import BrokerUnavailable, ShareBusy, Unavailable
 from relay.metrics import OutboxMetrics
@@ -49,7 +51,8 @@ class OutboxRelay:
     idle workers' `poll_interval`, `max_attempts` and `on_dead` for the
     marks, the failed attempts' `backoff`, and for log lines and spans the
     `exchange`, the broker's `messaging_system` (relay.brokers.Kind.system)
-    and the spans' `destination` (the exchange, or None: each row's topic)."""
+    and the spans' `destination` (the exchange, or None: each row's topic);
+    the `budget` its workers' claims share (--batch-bytes, relay.budget)."""
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class OutboxRelay:
         exchange: str,
         messaging_system: str = "",
         destination: str | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
@@ -83,6 +87,11 @@ class OutboxRelay:
         self._scouts: set[int] = set()  # woken to claim every key's rows
         self._holding: dict[int, frozenset[int]] = {}  # the share locks each batch holds
         self._sessions: dict[int, OutboxSession] = {}
+        # The bytes of claimed rows the relay holds, its workers' together
+        # (relay.budget: wiring's, of --batch-bytes); what the last claim of
+        # each worker stopped short of, a row its grant could not take.
+        self.budget = budget or Budget(DEFAULT_BATCH_BYTES, WORKERS, self.metrics.claimed_bytes.set)
+        self._need: dict[int, int | None] = {}
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
         # topic -> (when it was last logged, unroutable rows since)
@@ -92,8 +101,16 @@ class OutboxRelay:
         """Rows were committed (a notification). Each busy worker claims
         again after its batch; of the idle ones, one claims the due rows of
         every key (a scout) and the rest sleep on, so a quiet relay answers
-        a notification with one claim rather than one per worker."""
-        scout = min(self._idle, default=None)
+        a notification with one claim rather than one per worker. While a
+        scout's batch is in hand, no second scout starts: that one claims
+        every key again after its batch (see _worker). A second scout's
+        claim found the first's shares locked (ShareBusy) or the keys of
+        its rows held (blocked), and woke every idle worker to wait in
+        PostgreSQL for the share locks the first held until its commit:
+        100 trickling sources kept dozens of sessions waiting on those
+        locks and more idle in a transaction (docs/multi-source.md)."""
+        busy_scout = any(worker not in self._idle for worker in self._scouts)
+        scout = None if busy_scout else min(self._idle, default=None)
         if scout is not None:
             self._scouts.add(scout)
         for worker, event in self._wakeups.items():
@@ -131,7 +148,9 @@ class OutboxRelay:
         on the worker's own connection.
 
         Returns how many rows it published or failed, and how many it left
-        for the worker that holds an earlier row of their key. Raises
+        for the worker that holds an earlier row of their key; a claim that
+        stopped at the byte budget (--batch-bytes) counts as a full batch,
+        more rows wait (self.stopped_short). Raises
         ShareBusy (nothing claimed) when the share's lock stayed held by
         another relay's worker, or with every_key when one share was held
         elsewhere: the locks, one per share across every relay, are how no
@@ -142,9 +161,22 @@ class OutboxRelay:
         # A claim of every key leaves out the shares this relay's own
         # batches hold: their rows it skips, as one relay's workers always did.
         held = frozenset[int]().union(*self._holding.values()) if every_key else frozenset()
+        grant = await self.budget.take(self._need.get(worker), self.stopping)
+        if not grant:
+            return 0, 0  # stopping
+        used = 0
         try:
             share = (0, 1) if every_key else (worker, workers)
-            rows, blocked = await session.claim(self.batch_size, *share, held=held)
+            rows, blocked, used, need = await session.claim(
+                self.batch_size,
+                *share,
+                held=held,
+                budget=grant,
+                alone=self.budget.alone(grant),
+            )
+            self.budget.claimed(grant, used)
+            grant = 0
+            self._need[worker] = need
             self._holding[worker] = (
                 frozenset(range(WORKERS)) - held if every_key else frozenset({worker})
             )
@@ -185,6 +217,9 @@ class OutboxRelay:
             raise
         finally:
             self._holding.pop(worker, None)
+            if grant:  # the claim itself failed
+                self.budget.claimed(grant, 0)
+            self.budget.release(used)
         self.metrics.published.inc(len(published))
         for row, failure, delay in failed:
             report_failure(
@@ -206,6 +241,11 @@ class OutboxRelay:
         if Outcome.RELEASE in results and not self.publisher.connected:
             raise BrokerUnavailable("connection lost before every confirm arrived")
         return len(rows), blocked
+
+    def stopped_short(self, worker: int) -> bool:
+        """Whether the worker's last claim stopped at a row its share of the
+        byte budget could not take: more rows wait, as after a full batch."""
+        return self._need.get(worker) is not None
 
     def _note_unroutable(self, row: OutboxRow) -> None:
         """Count a row published although no queue took it; log it once per
@@ -291,7 +331,11 @@ class OutboxRelay:
                 await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
                 continue
             self.last_progress = time.monotonic()
-            self._scouts.discard(worker)
+            if not (scout and wakeup.is_set() and not blocked and done < self.batch_size):
+                # A scout woken during its batch stays one: it claims every
+                # key again, in place of a second scout (wake()); after a
+                # full batch the workers claim their own shares, as ever.
+                self._scouts.discard(worker)
             if blocked:
                 # Another worker or relay holds the head of these keys; it
                 # commits in milliseconds, and nothing will notify us when it
@@ -303,7 +347,7 @@ class OutboxRelay:
                 if not done:
                     await asyncio.sleep(BLOCKED_RETRY)
                 continue
-            if done >= self.batch_size:
+            if done >= self.batch_size or self.stopped_short(worker):
                 self._wake_idle()
                 continue
             if once:

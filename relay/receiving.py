@@ -141,8 +141,9 @@ class Receiver:
         stopping.
 
         The stage may split the batch in parts (the claim check's hold at
-        most relay.claimcheck.inbound.FETCHED_AT_ONCE pointers, so that no
-        more than that many large bodies are in memory at once); the batch
+        most relay.claimcheck.inbound.FETCHED_AT_ONCE pointers, and at most
+        a quarter of --batch-bytes of declared sizes, relay.budget, so that
+        no more large bodies than that are in memory at once); the batch
         is acknowledged once every part is committed."""
         stored: list[NewInboxRow] = []
         new: set[str] = set()

@@ -3,8 +3,9 @@ and schemas (database-per-tenant, schema-per-tenant deployments).
 
 Each source (a database URL and a schema) runs the whole single-source
 outbox, relay.wiring.outbox_service, as a unit: its own store, worker
-connections, publisher, listener, retention, churn vacuum and metrics view,
-on tasks of its own. So each keeps every guarantee it has alone (per-key
+connections, publisher, retention, churn vacuum and metrics view, on tasks
+of its own; the LISTEN connection is one per database, shared by its
+sources (relay.db.listener.SharedListeners). So each keeps every guarantee it has alone (per-key
 order, wake-ups, poison rules, failover handling), a source that is down
 waits for its database without delaying any other, and a backlog in one
 claims batches on its own connections while another's new row is claimed
@@ -30,6 +31,7 @@ from typing import Any
 
 from relay import logs
 from relay.config import OutboxSettings, Source, labelled, read_sources, url_password
+from relay.db import SharedListeners
 from relay.errors import ConfigError
 from relay.lifecycle import PROBE_TIMEOUT, STALL_AFTER, Daemon, Service, Started
 from relay.metrics import OutboxMetrics
@@ -150,6 +152,8 @@ class Sources:
         self.path = path
         self.once = once
         self.metrics = OutboxMetrics(by_source=True)
+        # One LISTEN connection per database, for all its sources.
+        self.listeners = SharedListeners()
         self.runs: dict[str, SourceRun] = {}
         self.stopping = asyncio.Event()
         self._reload = asyncio.Event()
@@ -205,6 +209,7 @@ class Sources:
     async def close(self) -> None:
         runs, self.runs = list(self.runs.values()), {}
         await asyncio.gather(*(run.finish() for run in runs))
+        await self.listeners.close()
 
     async def ready(self) -> bool:
         """Every source's database and broker answer (/readyz)."""
@@ -245,6 +250,7 @@ class Sources:
             pool_size=SOURCE_POOL,
             stagger=True,
             one_poll=True,
+            listeners=self.listeners,
         )
         run = SourceRun(label, source, service, self.settings.shutdown_timeout)
         self.runs[label] = run

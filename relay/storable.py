@@ -149,6 +149,8 @@ def json_body(body: bytes) -> tuple[str | None, str | None]:
         except NotCarried as why:
             return None, f"body is {why if str(why).startswith('JSON nested') else problem}"
     try:
+        # A copy that stays while the batch is stored: psycopg sends text,
+        # and the row's payload is the body's text as it came.
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:  # orjson takes lone surrogates' bytes
         return None, f"body is not valid UTF-8 ({exc})"

@@ -23,9 +23,10 @@ from collections.abc import Callable
 from relay import cloudevents, tracing
 from relay.backoff import Backoff, reconnect_backoff, until_available
 from relay.brokers import Consumer, Publisher, kind_of, make_consumer, make_publisher
+from relay.budget import FETCHED_SHARE, RECEIVED_SHARE, Budget
 from relay.claimcheck.inbound import Inbound
 from relay.config import DaemonSettings, InboxSettings, OutboxSettings
-from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, Store
+from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, SharedListeners, Store
 from relay.db.connect import check_tls
 from relay.db.writer import InboxWriter
 from relay.handlers import HandlerRegistry, is_async
@@ -95,12 +96,15 @@ def outbox_relay(
     poll_interval: float | None = None,
 ) -> OutboxRelay:
     """The outbox loop on `store` and `publisher`, with the settings' values
-    (`poll_interval` in place of --poll-interval's, if given)."""
+    (`poll_interval` in place of --poll-interval's, if given) and its byte
+    budget (--batch-bytes, shared by its workers: relay.budget)."""
     topic_is_queue = settings.broker is None or kind_of(settings.broker).topic_is_queue
+    metrics = metrics or OutboxMetrics()
     return OutboxRelay(
         store,
         publisher,
         metrics,
+        budget=Budget(settings.batch_bytes, WORKERS, metrics.claimed_bytes.set),
         batch_size=settings.batch_size,
         poll_interval=settings.poll_interval if poll_interval is None else poll_interval,
         max_attempts=settings.max_attempts,
@@ -120,13 +124,15 @@ def outbox_service(
     pool_size: int = 2,
     stagger: bool = False,
     one_poll: bool = False,
+    listeners: SharedListeners | None = None,
 ) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
     listener, the scheduled jobs, probes and metrics (not running yet).
     `metrics`: one source's view of an outbox of several (relay.sources),
     which keeps fewer idle connections for its jobs (`pool_size`), spreads
     their runs (`stagger`: relay.maintenance.run_scheduler) and polls once
-    per --poll-interval rather than once per worker (`one_poll`)."""
+    per --poll-interval rather than once per worker (`one_poll`), and
+    listens through its database's shared listener (`listeners`)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
@@ -189,7 +195,12 @@ def outbox_service(
             stagger=stagger,
         ),
     }
-    if not once:
+    if not once and listeners is not None:
+        shared = listeners
+        background["listener"] = lambda stop: shared.serve(
+            store, NOTIFY_OUTBOX, relay.wake, settings.listen_url
+        )
+    elif not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
     if poller:
@@ -245,8 +256,11 @@ def inbox_dispatcher(
     pace: Pace | None = None,
     worker: int = 0,
     workers: int = 1,
+    budget: Budget | None = None,
 ) -> Dispatcher:
-    """A dispatcher of `worker`'s share of the keys, with the settings' values."""
+    """A dispatcher of `worker`'s share of the keys, with the settings'
+    values; its claims take rows up to what `budget` grants (the one the
+    daemon's dispatchers share), else up to --batch-bytes of its own."""
     return Dispatcher(
         store,
         registry,
@@ -254,6 +268,7 @@ def inbox_dispatcher(
         pace,
         worker,
         workers,
+        budget=budget or Budget(settings.batch_bytes, 1, metrics.held_bytes.set),
         consumer_name=settings.consumer_name,
         batch_size=settings.batch_size,
         on_dead=settings.on_dead,
@@ -283,6 +298,8 @@ def receiver_parts(settings: InboxSettings, consumer: Consumer | None = None) ->
             queue_type=settings.queue_type,
             queue_args=settings.queue_args,
             consumer_name=settings.consumer_name,
+            # The bodies received and not yet acknowledged (relay.budget).
+            max_bytes=settings.batch_bytes // RECEIVED_SHARE,
         )
     else:
         given = consumer
@@ -293,7 +310,9 @@ def receiver_parts(settings: InboxSettings, consumer: Consumer | None = None) ->
     return ReceiverParts(
         consumer=consume,
         writer=functools.partial(InboxWriter, settings.database_url, settings.schema),
-        stage=functools.partial(Inbound, settings.claim_check),
+        stage=functools.partial(
+            Inbound, settings.claim_check, max_bytes=settings.batch_bytes // FETCHED_SHARE
+        ),
         # CloudEvents are recognised from any producer, without a flag.
         envelope=functools.partial(
             cloudevents.received,
@@ -358,6 +377,8 @@ def inbox_service(
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(fn) for fn in registry.functions())
+    # The dispatchers' claims share the daemon's byte budget (--batch-bytes).
+    budget = Budget(settings.batch_bytes, DISPATCHERS, metrics.held_bytes.set)
 
     def make_dispatcher(worker: int) -> DispatcherThread:
         return DispatcherThread(
@@ -373,6 +394,7 @@ def inbox_service(
                     pace=pace,
                     worker=worker,
                     workers=DISPATCHERS,
+                    budget=budget,
                 ),
             )
         )

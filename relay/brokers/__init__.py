@@ -169,7 +169,9 @@ def row_headers(row: OutboxRow) -> dict[str, str]:
 # digits is compacted as text instead: PostgreSQL renders jsonb with ", "
 # and ": " between items and no other whitespace outside strings.
 _LONG_DIGITS = re.compile(r"[0-9]{16,}")
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[^"]+')
+# Strings in the unrolled form, as relay.limits' _STRINGS (one engine step per
+# run of plain characters, not one per character).
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[^"]+')
 
 
 def row_body(row: OutboxRow) -> bytes:
@@ -224,6 +226,7 @@ class Adapter(Protocol):
         queue_type: str | None,
         queue_args: Sequence[tuple[str, str | int]],
         consumer_name: str,
+        max_bytes: int | None,
     ) -> Consumer: ...
 
 
@@ -278,8 +281,12 @@ def make_consumer(
     queue_type: str | None = None,
     queue_args: Sequence[tuple[str, str | int]] = (),
     consumer_name: str = "",
+    max_bytes: int | None = None,
 ) -> Consumer:
-    """The consumer of `queue` on `broker`."""
+    """The consumer of `queue` on `broker`; RabbitMQ's holds at most about
+    `max_bytes` of bodies received and not yet acknowledged (SQS's, at most
+    100 messages, relay.brokers.sqs.MAX_HELD, of SQS's 1 MiB at most each;
+    Kafka's is bounded by librdkafka's own queue, not by `max_bytes`)."""
     return _adapter(broker).consumer(
         broker,
         queue=queue,
@@ -289,4 +296,5 @@ def make_consumer(
         queue_type=queue_type,
         queue_args=queue_args,
         consumer_name=consumer_name,
+        max_bytes=max_bytes,
     )

@@ -252,7 +252,9 @@ Intercept = Callable[[int, int, bytes], bool]
 _FRAME_HEAD = struct.Struct(">BHI").unpack
 
 
-def read_frames_with(connection: AbstractConnection, intercept: Intercept) -> bool:
+def read_frames_with(
+    connection: AbstractConnection, intercept: Intercept, room: asyncio.Event | None = None
+) -> bool:
     """Read the connection's frames with relay's reader, which offers each
     frame to `intercept` first; the frames it does not take are decoded by
     pamqp and go to aiormq as before. False (and nothing changed) where
@@ -263,7 +265,13 @@ def read_frames_with(connection: AbstractConnection, intercept: Intercept) -> bo
     deliveries that was most of the receiver's CPU. Its reader task iterates
     one FrameReceiver (`async for`, which calls `self.get_frame()`), found
     here in the suspended task's frame; the instance's get_frame is
-    replaced, so the frame read now is the last one read the old way."""
+    replaced, so the frame read now is the last one read the old way.
+
+    With `room`, no frame is read while it is clear: the socket is left
+    unread, TCP's window closes and RabbitMQ holds the deliveries (the
+    consumer's bound on the bytes it holds, whatever the prefetch). aiormq
+    then sees no frame either: a pause must stay well under its heartbeat
+    grace (three heartbeat timeouts, 183 s by default)."""
     underlay = getattr(getattr(connection, "transport", None), "connection", None)
     task = getattr(underlay, "_reader_task", None)
     frame = task.get_coro().cr_frame if task is not None and not task.done() else None
@@ -278,6 +286,8 @@ def read_frames_with(connection: AbstractConnection, intercept: Intercept) -> bo
 
     async def get_frame() -> tuple[int, int, Any]:
         while True:
+            if room is not None and not room.is_set():
+                await room.wait()
             if reader.at_eof():
                 raise StopAsyncIteration
             try:

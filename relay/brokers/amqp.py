@@ -18,7 +18,7 @@ import functools
 import logging
 import re
 import ssl
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import aio_pika
@@ -376,6 +376,11 @@ class AmqpPublisher(_Client):
         table: Mapping[str, str | int] = headers
         if row.attributes:  # added above the broker (relay.rows.OutboxRow)
             table = {**headers, **dict(row.attributes)}
+        # The copies of a body that stay, one row at a time: the compact body
+        # (the payload is PostgreSQL's text of the jsonb, with spaces, and
+        # the wire carries it compact, numbers exact), then its frames (cut
+        # to the connection's frame size, with their heads: what the socket
+        # is given); the body goes when this returns, the frames once written.
         body = row_body(row)
         if len(body) > self.max_message_size:
             raise BadMessage(
@@ -438,7 +443,11 @@ class AmqpPublisher(_Client):
                     channel, batch, [rows[index].id for index in indexes]
                 )
                 try:
-                    await aiormq_internals.write(channel, b"".join(frames))
+                    for payload in _writes(frames):
+                        await aiormq_internals.write(channel, payload)
+                    # Not kept while the confirms come: the payloads' text
+                    # (the rows') is all the batch holds of its bodies then.
+                    frames.clear()
                 except _CONNECTION_ERRORS as exc:
                     raise _unavailable(exc, self.url) from exc
         if not indexes:
@@ -609,6 +618,33 @@ def _from_pamqp(message: DeliveredMessage) -> Incoming:
     )
 
 
+# Frames at least this large are written as they are, not joined with the
+# others of their batch (the joined copy of a batch of large messages was a
+# copy of all their bodies at once); smaller ones are joined into writes of
+# about this size, so that a batch of small messages is still one write.
+JOIN_UNDER = 1 << 20
+
+
+def _writes(frames: list[bytes]) -> Iterator[bytes]:
+    """A batch's encoded publishes as the writes that carry them, in order."""
+    group: list[bytes] = []
+    size = 0
+    for frame in frames:
+        if len(frame) >= JOIN_UNDER:
+            if group:
+                yield b"".join(group)
+                group, size = [], 0
+            yield frame
+            continue
+        group.append(frame)
+        size += len(frame)
+        if size >= JOIN_UNDER:
+            yield b"".join(group)
+            group, size = [], 0
+    if group:
+        yield b"".join(group)
+
+
 class _Deliveries:
     """The deliveries of the consumer's channel, taken from the connection's
     frame reader (aiormq_internals.read_frames_with) and decoded by
@@ -668,6 +704,8 @@ class _Deliveries:
         assert method is not None and header is not None
         self.method = self.header = None
         self.parts = []
+        # One bytes object for the body (the frames' parts joined: the copy
+        # that stays, as the inbox row's payload is made from one text).
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         self.deliver(_incoming(self.channel, *method, *header[:3], body, *header[3:]))
 
@@ -685,9 +723,18 @@ class AmqpConsumer(_Client):
         prefetch: int,
         queue_type: str | None = None,
         queue_args: Sequence[tuple[str, str | int]] = (),
+        max_bytes: int | None = None,
     ) -> None:
         self._init_nodes(url)
         self.queue = queue
+        # The bytes of the bodies received and not yet acknowledged: past
+        # max_bytes the frames are left unread until an ack brings them
+        # under it (RabbitMQ bounds deliveries by count only: the prefetch).
+        self.max_bytes = max_bytes
+        self._held = 0
+        self._underlay: object = None  # the channel whose deliveries are counted
+        self._room = asyncio.Event()
+        self._room.set()
         self.exchange = exchange
         self.binds = tuple(binds)
         self.prefetch = prefetch
@@ -713,6 +760,7 @@ class AmqpConsumer(_Client):
         # Deliveries of the old channel can no longer be acked: drop them,
         # the broker redelivers them.
         self._received = asyncio.Queue()
+        self._hold(-self._held)
         connection = await self._connect_node()
         try:
             channel = await connection.channel()
@@ -736,8 +784,12 @@ class AmqpConsumer(_Client):
                 await queue.bind(exchange, routing_key=pattern)
             received = self._received
 
+            def put(message: Incoming) -> None:
+                self._hold(len(message.body))
+                received.put_nowait(message)
+
             async def on_message(message: DeliveredMessage) -> None:
-                received.put_nowait(_from_pamqp(message))
+                put(_from_pamqp(message))
 
             # Consumed on aiormq's channel: aio-pika would wrap each delivery
             # in an IncomingMessage and a task of its own, a share of the
@@ -748,12 +800,12 @@ class AmqpConsumer(_Client):
             # are handed over from the channel's reader, without aiormq's
             # task per delivery (deliver_directly). on_message is aiormq's
             # own path, kept as the callback basic_consume wants.
-            underlay = await channel.get_underlay_channel()
-            aiormq_internals.deliver_directly(
-                underlay, lambda message: received.put_nowait(_from_pamqp(message))
-            )
+            underlay = self._underlay = await channel.get_underlay_channel()
+            aiormq_internals.deliver_directly(underlay, lambda message: put(_from_pamqp(message)))
             self.frames_read_by_relay = aiormq_internals.read_frames_with(
-                connection, _Deliveries(underlay, received.put_nowait)
+                connection,
+                _Deliveries(underlay, put),
+                self._room if self.max_bytes is not None else None,
             )
             await underlay.basic_consume(queue.name, on_message)
             # Bound to this connection's queue: the old channel of a lost
@@ -773,6 +825,14 @@ class AmqpConsumer(_Client):
             redact_url(self.url),
             ", ".join(self.binds) or "none",
         )
+
+    def _hold(self, change: int) -> None:
+        """Count bodies received (+) or acknowledged (-); open or close the room."""
+        self._held += change
+        if self.max_bytes is None or self._held < self.max_bytes:
+            self._room.set()
+        else:
+            self._room.clear()
 
     def _refused(self, exc: BaseException) -> ConfigError:
         """RabbitMQ refused to declare the queue as --queue-type/--queue-arg ask."""
@@ -832,6 +892,8 @@ class AmqpConsumer(_Client):
             # Deliveries arrive and are stored in order, so one multiple-ack
             # on the last delivery tag acknowledges the whole batch.
             await channel.basic_ack(tag, multiple=True)
+            if channel is self._underlay:  # not a channel of a lost connection
+                self._hold(-sum(len(message.body) for message in batch))
         except Exception as exc:
             # aiormq rejects pending operations with a bare Exception when a
             # channel closes without a reason: judge by the channel's state.
@@ -862,6 +924,7 @@ def consumer(
     queue_type: str | None,
     queue_args: Sequence[tuple[str, str | int]],
     consumer_name: str,
+    max_bytes: int | None = None,
 ) -> AmqpConsumer:
     return AmqpConsumer(
         broker.nodes or broker.url,
@@ -871,4 +934,5 @@ def consumer(
         prefetch=prefetch,
         queue_type=queue_type,
         queue_args=queue_args,
+        max_bytes=max_bytes,
     )

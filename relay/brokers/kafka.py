@@ -1005,5 +1005,9 @@ def consumer(
     queue_type: str | None,
     queue_args: Sequence[tuple[str, str | int]],
     consumer_name: str,
+    max_bytes: int | None = None,
 ) -> KafkaConsumer:
+    """`max_bytes` unused: the consumer holds at most max(MAX_HELD, prefetch)
+    records, and librdkafka's queue its queued.max.messages.kbytes; no bound
+    by --batch-bytes (docs/kafka.md)."""
     return KafkaConsumer(broker, topics=queue.split(","), group=consumer_name, prefetch=prefetch)

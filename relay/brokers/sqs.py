@@ -882,5 +882,8 @@ def consumer(
     queue_type: str | None,
     queue_args: Sequence[tuple[str, str | int]],
     consumer_name: str,
+    max_bytes: int | None = None,
 ) -> SqsConsumer:
+    """`max_bytes` unused: the consumer holds at most MAX_HELD messages, of
+    SQS's 1 MiB at most each."""
     return SqsConsumer(broker, queue=queue)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from relay.brokers import Incoming
-from relay.claimcheck import has_size, read_pointer, where, without_size
+from relay.claimcheck import SIZE_ATTRIBUTES, has_size, read_pointer, where, without_size
 from relay.config import ClaimCheckURL
 
 # Claim check bodies fetched and held at once (a batch is stored in parts).
@@ -63,7 +63,7 @@ async def resolve(
                 message,
                 unfetched=f"the message is a claim check pointer to {where(*pointer)}, whose "
                 f"object could not be read: {data}; it is kept as received, and relay "
-                "retry (with --claim-check) fetches it again",
+                "retry fetches it again",
             )
     return out, count, size
 
@@ -72,17 +72,33 @@ def is_pointer(message: Incoming) -> bool:
     return has_size(message.headers) and read_pointer(message.body) is not None
 
 
-def parts(batch: Sequence[Incoming], pointers: int) -> list[Sequence[Incoming]]:
+def declared_size(headers: Mapping[str, Any]) -> int:
+    """The body's size as the pointer's attribute declares it (0 if unreadable)."""
+    for name in SIZE_ATTRIBUTES:
+        try:
+            return max(0, int(headers[name]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return 0
+
+
+def parts(
+    batch: Sequence[Incoming], pointers: int, max_bytes: int | None = None
+) -> list[Sequence[Incoming]]:
     """The batch in consecutive parts of at most `pointers` claim check
-    pointers each (the whole batch, as it is, when it holds that few)."""
+    pointers each, whose declared sizes add up to at most `max_bytes` (but
+    for one pointer larger than that, alone): the whole batch, as it is,
+    when it holds that few."""
     out: list[Sequence[Incoming]] = []
-    start = count = 0
+    start = count = size = 0
     for index, message in enumerate(batch):
         if is_pointer(message):
-            if count == pointers:
+            more = declared_size(message.headers)
+            if count == pointers or (count and max_bytes is not None and size + more > max_bytes):
                 out.append(batch[start:index])
-                start, count = index, 0
+                start, count, size = index, 0, 0
             count += 1
+            size += more
     if start == 0:
         return [batch]
     out.append(batch[start:])
@@ -92,10 +108,18 @@ def parts(batch: Sequence[Incoming], pointers: int) -> list[Sequence[Incoming]]:
 class Inbound:
     """The receiver's claim check stage (relay.receiving.Stage): `parts` and
     `resolve` above, fetching from S3 with `url` (--claim-check), or with
-    None marking every pointer unfetched."""
+    None marking every pointer unfetched; a part's pointers declare at most
+    `max_bytes` together (wiring gives a share of --batch-bytes, relay.budget)."""
 
-    def __init__(self, url: ClaimCheckURL | None, at_once: int = FETCHED_AT_ONCE) -> None:
+    def __init__(
+        self,
+        url: ClaimCheckURL | None,
+        at_once: int = FETCHED_AT_ONCE,
+        *,
+        max_bytes: int | None = None,
+    ) -> None:
         self.at_once = at_once
+        self.max_bytes = max_bytes
         self._reader: Any = None
         self.fetch: Fetch | None = None
         if url is not None:
@@ -105,7 +129,7 @@ class Inbound:
             self.fetch = self._reader.fetch
 
     def parts(self, batch: Sequence[Incoming]) -> list[Sequence[Incoming]]:
-        return parts(batch, self.at_once)
+        return parts(batch, self.at_once, self.max_bytes)
 
     async def resolve(self, part: Sequence[Incoming]) -> tuple[list[Incoming], int, int]:
         return await resolve(part, self.fetch)
@@ -115,4 +139,12 @@ class Inbound:
             await self._reader.close()
 
 
-__all__ = ["FETCHED_AT_ONCE", "Fetch", "Inbound", "is_pointer", "parts", "resolve"]
+__all__ = [
+    "FETCHED_AT_ONCE",
+    "Fetch",
+    "Inbound",
+    "declared_size",
+    "is_pointer",
+    "parts",
+    "resolve",
+]

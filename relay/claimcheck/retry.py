@@ -3,8 +3,10 @@
 relay.db.store's retry asks a `Restore` for each pointer-shaped inbox row
 it is about to retry (the inbox_claim_checks query finds them); the
 commands (relay retry, relay.dead, the console) build it here, with the
-S3 store of --claim-check or without one, which leaves every pointer row
-dead saying why.
+S3 store of --claim-check or without one: then each object is read from
+the bucket its pointer names with boto3's own settings (the environment's
+region, endpoint and credentials; relay.claimcheck.s3.fetch_object), and a
+row whose object cannot be read stays dead saying why.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from relay.storable import json_body
 
 def fetch_from(objects: Any) -> Fetch:
     """The Fetch of `relay retry` over a relay.claimcheck.s3.ObjectStore, or
-    over None (no --claim-check given: every object "cannot be read", saying why)."""
+    over None (no --claim-check given: the pointer's bucket with boto3's
+    own settings)."""
 
     async def fetch(bucket: str, key: str) -> bytes | str:
         from relay.claimcheck.s3 import fetch_object  # boto3, only once a pointer row is found

@@ -218,15 +218,21 @@ class ClaimCheckReader:
 
 
 async def fetch_object(store: ObjectStore | None, bucket: str, key: str) -> bytes | str:
-    """The object's bytes, or why it cannot be read (for `relay retry`)."""
+    """The object's bytes, or why it cannot be read (for `relay retry`).
+
+    With no store (no --claim-check given), from the bucket the pointer
+    names through boto3's own settings (AWS_DEFAULT_REGION,
+    AWS_ENDPOINT_URL_S3, the credentials chain), as the contract has it:
+    the pointer says where the object is, as it does for the receiver."""
     if store is None:
-        return (
-            "no --claim-check is configured for this command "
-            "(give relay retry --claim-check s3://... or set RELAY_CLAIM_CHECK)"
-        )
+        own = ObjectStore(ClaimCheckURL(f"s3://{bucket}", bucket), pool=1)
+        try:
+            return await fetch_object(own, bucket, key)
+        finally:
+            await own.close()
     try:
         return await store.get(bucket, key)
-    except (S3Refused, S3Unavailable) as exc:
+    except (S3Refused, S3Unavailable, ConfigError) as exc:
         return str(exc)
 
 

@@ -43,6 +43,14 @@ def daemon_options(f: F, *, several: bool = False) -> F:
                 help="rows claimed per batch",
             ),
             option(
+                "--batch-bytes",
+                default="16MiB",
+                show_default=True,
+                metavar="SIZE",
+                help="bytes of payloads the daemon holds at once, its batches together "
+                "(a larger row is taken alone; 16MiB, 1GiB or bytes)",
+            ),
+            option(
                 "--poll-interval",
                 type=click.FloatRange(min=0, min_open=True),
                 default=1.0,

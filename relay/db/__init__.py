@@ -13,7 +13,7 @@ package, never SQLAlchemy or psycopg itself.
 | `writer` | the inbox receiver's INSERT (its process loads no SQLAlchemy) |
 | `store` | `Store`: the pooled SQLAlchemy engines, the inbox claim and marks, commands |
 | `session` | `OutboxSession`: an outbox worker's prepared claim and mark |
-| `listener` | `Listener`: LISTEN with its self-check |
+| `listener` | `Listener`: LISTEN with its self-check; one per database shared by schemas |
 | `jobs` | retention, gauges and the churn vacuum |
 | `schema` | SQLAlchemy tables mirroring schema/*.sql, applying them |
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
         table_health,
         vacuum,
     )
-    from relay.db.listener import Listener
+    from relay.db.listener import Listener, SharedListeners
     from relay.db.session import OutboxSession
     from relay.db.store import NOTIFY_INBOX, NOTIFY_OUTBOX, Store, named, retry_in
     from relay.db.writer import InboxWriter
@@ -55,6 +55,7 @@ _LAZY = {
     "create_database_if_missing": "relay.db.connect",
     "InboxWriter": "relay.db.writer",
     "Listener": "relay.db.listener",
+    "SharedListeners": "relay.db.listener",
     "NOTIFY_INBOX": "relay.db.store",
     "NOTIFY_OUTBOX": "relay.db.store",
     "OutboxSession": "relay.db.session",
@@ -83,6 +84,7 @@ __all__ = [
     "Listener",
     "OutboxSession",
     "Refused",
+    "SharedListeners",
     "Store",
     "connection_invalidated",
     "create_database_if_missing",

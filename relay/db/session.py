@@ -6,7 +6,7 @@ import contextlib
 import functools
 import re
 from collections.abc import AsyncIterator, Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
@@ -42,9 +42,11 @@ _POOLED_SESSION = "; ".join(
     for option in ["-c jit=off", *OUTBOX_SESSION_OPTIONS]
 )
 _UUID_LIST = re.compile(r"[0-9a-fA-F,-]*").fullmatch
-# The prepared statements' parameters, in order: relay_claim(int, int, int)
-# and relay_mark(uuid[]).
-_CLAIM_PARAMETERS = ("limit", "worker", "workers")
+# The prepared statements' parameters, in order: relay_claim(int, int, int,
+# bigint, int) and relay_mark(uuid[]).
+_CLAIM_PARAMETERS = ("limit", "worker", "workers", "budget", "alone")
+# No byte budget: a claim's default (the tests', `relay retry`'s).
+UNBOUNDED = 1 << 62
 MARK_PUBLISHED = numbered(query("outbox_mark_published"), ["ids"])
 MARK_OUTBOX_FAILED = pyformat(query("outbox_mark_failed"))
 
@@ -63,6 +65,41 @@ SHARE_LOCK_CLASS = namespace.SHARE_LOCK_CLASS
 SHARE_WAIT_MS = 1000
 _SHARE_WAIT = numbered(query("outbox_share_wait"), ["timeout", "class", "share"])
 _SHARES_TRY = numbered(query("outbox_shares_try"), ["class", "shares"])
+
+
+class Claimed(NamedTuple):
+    """A claim's outcome: the rows to publish, how many wait on another
+    relay's rows of their key, the bytes of the rows it returned (the
+    payloads as PostgreSQL measured them, blocked rows' too), and, when
+    it stopped at a row its byte budget could not take, that row's size."""
+
+    rows: list[OutboxRow]
+    blocked: int
+    used: int
+    need: int | None
+
+
+def sort_claimed(
+    found: Sequence[Sequence[Any]],
+) -> tuple[list[Sequence[Any]], int, int, int | None]:
+    """A claim's result rows (a row's fields, then size, fits, blocked; see
+    queries/outbox.sql and inbox.sql) as the fields of the rows to hand
+    on, how many are blocked, the bytes of the rows returned, and the size
+    of the row the budget stopped at (None: it did not stop)."""
+    rows: list[Sequence[Any]] = []
+    blocked = used = 0
+    need = None
+    for row in found:
+        *fields, size, fits, is_blocked = row
+        if not fits:
+            need = size
+            continue
+        used += size
+        if is_blocked:
+            blocked += 1
+        else:
+            rows.append(fields)
+    return rows, blocked, used, need
 
 
 def share_key(share: int, shares: int) -> int:
@@ -139,11 +176,18 @@ class OutboxSession:
         # settings; each batch says its statements and SET LOCALs in full,
         # in the same two round trips.
         self.pooled = False
-        self._claim_sql = numbered(claim("outbox", on_dead), _CLAIM_PARAMETERS)
+        self._claim_sql = ""  # for the server's version, once connected
 
     async def claim(
-        self, limit: int, worker: int = 0, workers: int = 1, *, held: Collection[int] = ()
-    ) -> tuple[list[OutboxRow], int]:
+        self,
+        limit: int,
+        worker: int = 0,
+        workers: int = 1,
+        *,
+        held: Collection[int] = (),
+        budget: int = UNBOUNDED,
+        alone: bool = True,
+    ) -> Claimed:
         """Begin a batch's transaction and lock due rows of this worker's
         share of the keys (or, with workers 1, of every key); returns the
         publishable ones and how many wait on another relay's rows of their
@@ -153,14 +197,18 @@ class OutboxSession:
         most, then ShareBusy); a claim of every key tries the lock of every
         share but those in `held` (held by the caller's own workers, whose
         rows it skips as SKIP LOCKED always did) and, when one is held
-        elsewhere, claims nothing and raises ShareBusy."""
+        elsewhere, claims nothing and raises ShareBusy.
+
+        The rows' payloads add up to at most `budget` bytes, but for a first
+        row larger than that, which is taken alone when `alone` (see
+        relay.budget and the claim in queries/outbox.sql)."""
         every_key = workers == 1
         if not every_key and workers != self.shares:
             raise ValueError(f"{workers} shares of the keys, but locks for {self.shares}")
         async with self._errors():
             conn = await self._connect()
             cursor = conn.cursor()
-            args = [int(limit), int(worker), int(workers)]
+            args = [int(limit), int(worker), int(workers), int(budget), int(alone)]
             if every_key:
                 tried = [share_key(s, self.shares) for s in range(self.shares) if s not in held]
                 lock = _written(_SHARES_TRY, [self.lock_class, tried])
@@ -179,13 +227,12 @@ class OutboxSession:
                     break
             if busy:
                 raise ShareBusy("a share of the keys is held by another worker")
-            rows, blocked = [], 0
-            for *fields, is_blocked in await cursor.fetchall():
-                if is_blocked:
-                    blocked += 1
-                else:
-                    rows.append(OutboxRow(*fields))
-            return rows, blocked
+            found = await cursor.fetchall()
+            # libpq's copy of the result goes now, before the rows are made:
+            # the payloads stay only as the Python text the publish encodes.
+            await cursor.close()
+            fields, blocked, used, need = sort_claimed(found)
+            return Claimed([OutboxRow(*row) for row in fields], blocked, used, need)
 
     async def finish(
         self,
@@ -253,12 +300,15 @@ class OutboxSession:
             conn, self.pooled = await pg.connect_detecting(
                 self.conninfo, options=self.options, prepare_threshold=None
             )
+            self._claim_sql = numbered(
+                claim("outbox", self.on_dead, conn.info.server_version), _CLAIM_PARAMETERS
+            )
             if self.pooled:
                 self._conn = conn
                 return conn
             try:
                 await conn.execute(
-                    "PREPARE relay_claim(int, int, int) AS "
+                    "PREPARE relay_claim(int, int, int, bigint, int) AS "
                     + self._claim_sql
                     + "; PREPARE relay_mark(uuid[]) AS "
                     + MARK_PUBLISHED

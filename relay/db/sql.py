@@ -71,10 +71,31 @@ def query(name: str) -> str:
         raise UnknownQuery(name) from None
 
 
-def claim(table: str, on_dead: str) -> str:
+# A payload's size in the claims (the `{size}` slot): the bytes of its text,
+# as the daemon will hold it, never less than what PostgreSQL stores. A
+# value stored uncompressed (pg_column_compression NULL) is measured by
+# pg_column_size, from the row or its TOAST pointer, without reading it; a
+# compressed one has to be rendered as text to be measured. PostgreSQL 13
+# has no pg_column_compression: there every payload is rendered.
+_SIZE = (
+    "CASE WHEN pg_column_compression(t.payload) IS NULL THEN pg_column_size(t.payload) "
+    "ELSE greatest(pg_column_size(t.payload), octet_length(t.payload::text)) END"
+)
+_SIZE_13 = "greatest(pg_column_size(t.payload), octet_length(t.payload::text))"
+# The first server version with pg_column_compression (libpq's numbering).
+COMPRESSION_KNOWN = 140000
+
+
+def claim(table: str, on_dead: str, server_version: int = COMPRESSION_KNOWN) -> str:
     """The claim of `table` (outbox, inbox) under the --on-dead policy (skip,
-    block): the query with its `{dead}` slot filled from a fixed choice."""
-    return query(f"{table}_claim").replace("{dead}", query(f"{table}_claim_dead_{on_dead}"))
+    block): the query with its `{dead}` slot filled from a fixed choice, and
+    its `{size}` slot with the payload's size for that server version."""
+    size = _SIZE if server_version >= COMPRESSION_KNOWN else _SIZE_13
+    return (
+        query(f"{table}_claim")
+        .replace("{dead}", query(f"{table}_claim_dead_{on_dead}"))
+        .replace("{size}", size)
+    )
 
 
 def names() -> list[str]:

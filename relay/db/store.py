@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import psycopg
@@ -26,7 +26,7 @@ from relay.config import redact_url
 from relay.db import connect as pg
 from relay.db import namespace, schema
 from relay.db.errors import failed_command, server_unavailable, translate_errors
-from relay.db.session import OutboxSession
+from relay.db.session import UNBOUNDED, OutboxSession, sort_claimed
 from relay.db.sql import claim, query
 from relay.errors import DatabaseUnavailable
 from relay.limits import clean_error
@@ -54,6 +54,18 @@ STATUSES = {
 PLAN_CLAIM = query("plan_claim")
 UNPLAN_CLAIM = query("unplan_claim")
 PLAN_MARKS = query("plan_marks")
+
+
+class InboxClaimed(NamedTuple):
+    """An inbox claim's outcome, as relay.db.session.Claimed for the outbox:
+    the rows to dispatch, how many wait on rows of their key held by another
+    dispatcher, the bytes of the rows returned, and the size of the row the
+    byte budget stopped at (None: it did not)."""
+
+    rows: list[InboxRow]
+    blocked: int
+    used: int
+    need: int | None
 
 
 def statement(sql: str) -> sa.TextClause:
@@ -310,9 +322,12 @@ class Store:
                 _connect_as_libpq(engine, self._conninfo)
                 if schema is not None:
                     _set_search_path_per_transaction(engine, schema)
-        self._claim_inbox = {
-            policy: sa.text(claim("inbox", policy)) for policy in ("skip", "block")
-        }
+
+    @staticmethod
+    @functools.cache
+    def _claim_inbox(on_dead: str, server_version: int) -> sa.TextClause:
+        """The inbox claim under `on_dead`, for the server's version."""
+        return sa.text(claim("inbox", on_dead, server_version))
 
     def __repr__(self) -> str:
         return f"Store({redact_url(self.database_url)!r})"
@@ -429,13 +444,25 @@ class Store:
         workers: int = 1,
         *,
         unplan: bool = True,
-    ) -> tuple[list[InboxRow], int]:
+        budget: int = UNBOUNDED,
+        alone: bool = True,
+    ) -> InboxClaimed:
         """Lock due rows of a consumer, of this worker's share of the keys;
-        returns the dispatchable ones and how many wait on rows of their key
-        held by another dispatcher. With unplan=False the claim's planner
-        settings stay on, for handler_savepoints(after_claim=True) to turn
-        off in its first round trip."""
-        params = {"consumer": consumer, "limit": limit, "worker": worker, "workers": workers}
+        returns the dispatchable ones, how many wait on rows of their key
+        held by another dispatcher, the bytes of the rows returned and the
+        size of a row the budget stopped at (as OutboxSession.claim: at most
+        `budget` bytes, a larger first row alone when `alone`). With
+        unplan=False the claim's planner settings stay on, for
+        handler_savepoints(after_claim=True) to turn off in its first round
+        trip."""
+        params = {
+            "consumer": consumer,
+            "limit": limit,
+            "worker": worker,
+            "workers": workers,
+            "budget": budget,
+            "alone": int(alone),
+        }
         pgconn = _pgconn(conn)
         with translate_errors():
             # The planner settings go straight through libpq, with the BEGIN
@@ -443,12 +470,12 @@ class Store:
             # psycopg sees the transaction open and sends none.
             idle = pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
             _exec(pgconn, f"BEGIN; {PLAN_CLAIM}" if idle else PLAN_CLAIM)
-            found = conn.execute(self._claim_inbox[on_dead], params).all()
+            found = conn.execute(self._claim_inbox(on_dead, pgconn.server_version), params).all()
             if unplan:
                 # Handlers share this transaction: give them the default planner.
                 _exec(pgconn, UNPLAN_CLAIM)
-        rows = [InboxRow._make(row[:-1]) for row in found if not row[-1]]
-        return rows, len(found) - len(rows)
+        fields, blocked, used, need = sort_claimed(found)
+        return InboxClaimed([InboxRow._make(row) for row in fields], blocked, used, need)
 
     def mark_processed(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
         if ids:

@@ -164,7 +164,7 @@ def test_inbox_marks_are_planned_for_the_table_as_it_is(database):
                     {"c": consumer, "b": str(batch)},
                 )
             with store.sync_transaction() as conn:
-                claimed, blocked = store.claim_inbox(conn, consumer, 100, "skip")
+                claimed, blocked, *_ = store.claim_inbox(conn, consumer, 100, "skip")
                 assert (len(claimed), blocked) == (3, 0)
                 savepoints = store.handler_savepoints(conn)
                 savepoints.batch.set()

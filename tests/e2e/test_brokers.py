@@ -28,6 +28,7 @@ from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, HANDLERS, Rabbit, effect_ids, insert_outbox, rows, wait_until
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
 from tests.sqs_server import Sqs, sqs, sqs_server  # noqa: F401 - fixtures
+from tests.waits import wait_while_progressing
 
 
 @dataclass
@@ -539,8 +540,13 @@ async def test_kill_9_of_the_outbox_mid_stream_loses_nothing(engine, broker, sta
     total = broker.bulk
     insert_outbox(engine, total, topic=topic, keys=50)
     first = start_relay("outbox", *broker.outbox_args, "--batch-size", "100")
-    wait_until(
-        lambda: published_count(engine) > total // 10, timeout=30, message="first relay publishing"
+    # The daemon's start and first batches: as long as it makes progress.
+    wait_while_progressing(
+        lambda: published_count(engine) > total // 10,
+        first.proc,
+        quiet=30,
+        what="first relay publishing",
+        log=lambda: first.log,
     )
     first.signal(signal.SIGKILL)
     first.wait()
@@ -584,7 +590,13 @@ async def test_kill_9_of_the_inbox_mid_stream_loses_and_duplicates_nothing(effec
         queue, [(orjson.dumps({"n": n}), f"k-{n}") for n in range(total)], type="Effect"
     )
     first = await inbox("--batch-size", "20")
-    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) > total // 10, timeout=30)
+    wait_while_progressing(
+        lambda: len(rows(effects, "SELECT 1 FROM inbox")) > total // 10,
+        first.proc,
+        quiet=30,
+        what="first inbox storing",
+        log=lambda: first.log,
+    )
     first.signal(signal.SIGKILL)
     first.wait()
     assert len(rows(effects, "SELECT 1 FROM inbox")) < total, "killed too late to prove anything"

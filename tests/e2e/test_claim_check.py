@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.claimcheck import pointer_body, read_pointer
-from relay.claimcheck.inbound import parts, resolve
+from relay.claimcheck.inbound import declared_size, parts, resolve
 from relay.config import ClaimCheckURL, parse_size
 from relay.errors import ConfigError
 from tests.conftest import (
@@ -243,6 +243,55 @@ def test_a_batch_of_pointers_is_stored_in_parts() -> None:
         ["5", "6", "7", "8"],
         ["9"],
     ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.none() | st.integers(0, 50) | st.just("bad"), max_size=30),
+    st.integers(1, 5),
+    st.none() | st.integers(1, 60),
+)
+def test_a_batch_in_parts_holds_at_most_max_bytes_of_declared_sizes(
+    sizes: list[int | str | None], pointers: int, max_bytes: int | None
+) -> None:
+    """parts(max_bytes): the batch, in order, in parts of at most `pointers`
+    pointers whose declared sizes (an unreadable one counts 0) add up to at
+    most max_bytes, but for one larger pointer alone (issue 43)."""
+    from relay.brokers import Incoming
+
+    def message(n: int, size: int | str | None) -> Incoming:
+        if size is None:  # not a pointer
+            return Incoming(str(n), "t", None, "T", b"{}", {})
+        body = pointer_body("b", str(n)).encode()
+        return Incoming(str(n), "t", None, "T", body, {"ExtendedPayloadSize": size})
+
+    batch = [message(n, size) for n, size in enumerate(sizes)]
+    split = parts(batch, pointers, max_bytes)
+    assert [m for part in split for m in part] == batch
+    for part in split:
+        declared = [declared_size(m.headers) for m in part if m.headers]
+        assert len(declared) <= pointers
+        if max_bytes is not None and len(declared) > 1:
+            assert sum(declared) <= max_bytes
+
+
+def test_the_receivers_parts_carry_its_shares_of_batch_bytes() -> None:
+    """wiring.receiver_parts: half of --batch-bytes to RabbitMQ's consumer,
+    a quarter to the claim check's parts, through the pickled factories."""
+    import pickle
+
+    from relay.config import BrokerURL, InboxSettings
+    from relay.wiring import receiver_parts
+
+    settings_ = InboxSettings(
+        database_url="postgresql://127.0.0.1/x",
+        broker=BrokerURL.parse("amqp://guest:guest@127.0.0.1/"),
+        queue="q",
+        batch_bytes="8MiB",
+    )
+    made = pickle.loads(pickle.dumps(receiver_parts(settings_)))
+    assert made.consumer().max_bytes == 4 * 1024 * 1024
+    assert made.stage is not None and made.stage().max_bytes == 2 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------
@@ -465,17 +514,25 @@ def test_pointer_to_a_missing_object_is_dead_until_retried(
     assert f"s3://{s3.bucket}/{key}" in last_error and "NoSuchKey" in last_error
     assert payload == [POINTER, {"s3BucketName": s3.bucket, "s3Key": key}]  # kept as received
 
-    # Without --claim-check the retry cannot fetch it: still dead, and says why.
+    # Without --claim-check the retry reads the bucket the pointer names, with
+    # the standard AWS settings: not the test server's here (no endpoint, no
+    # credentials), so it cannot: still dead, and it says why, on the
+    # terminal and in last_error.
     done = run_relay("dead", "retry", "--id", "m-1")
     assert done.returncode == 0, done.stderr
     assert "retried 0 inbox rows" in done.stdout
+    assert f"not retried: the message is a claim check pointer to s3://{s3.bucket}/" in (
+        done.stderr
+    )
     [(status, last_error)] = rows(
         effects, "SELECT status, last_error FROM inbox WHERE message_id = 'm-1'"
     )
-    assert status == "dead" and "no --claim-check" in last_error
+    assert status == "dead" and "whose object could not be read" in last_error
+    assert "no --claim-check" not in last_error
 
+    # With them (the environment's endpoint and credentials), it does.
     s3.client.put_object(Bucket=s3.bucket, Key=key, Body=body_of(5, 300 * KiB))
-    done = run_relay("retry", "inbox", "--id", "m-1", "--claim-check", s3.url(), env=env_for(sqs))
+    done = run_relay("retry", "inbox", "--id", "m-1", env=env_for(sqs))
     assert done.returncode == 0, done.stderr
     assert "retried 1 inbox row" in done.stdout
     wait_until(lambda: effect_ns(effects) == [5], timeout=30, message="handled after retry")

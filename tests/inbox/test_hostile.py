@@ -464,7 +464,7 @@ _DYNAMIC_SQL_ALLOWED = {
     (
         "relay/db/session.py",
         (
-            '"PREPARE relay_claim(int, int, int) AS " + self._claim_sql\n'
+            '"PREPARE relay_claim(int, int, int, bigint, int) AS " + self._claim_sql\n'
             '                    + "; PREPARE relay_mark(uuid[]) AS " + MARK_PUBLISHED'
         ),
     ),

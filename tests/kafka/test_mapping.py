@@ -6,11 +6,15 @@ Pure unit tests: records built with confluent-kafka's own Message."""
 from __future__ import annotations
 
 import orjson
+from cloudevents.core.bindings import kafka as sdk_kafka
+from cloudevents.core.formats.json import JSONFormat
+from cloudevents.core.v1.event import CloudEvent as SdkEvent
 from confluent_kafka import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.brokers.kafka import Token, to_incoming
+from relay.cloudevents import binding, receive
 from relay.storable import to_row
 
 
@@ -48,6 +52,43 @@ def test_type_key_headers_and_content_type():
     assert got.headers["traceparent"] == "second"
     assert incoming(b"{}").type == "orders"  # no type header: the topic
     assert incoming(None).body == b""  # a tombstone's null value
+
+
+def test_the_sdks_events_as_the_adapter_delivers_them_are_events_to_relay_cloudevents():
+    """librdkafka's headers are bytes: decoded as every header, `ce_` ones
+    are attributes to relay.cloudevents and `content-type` its content type,
+    in binary and structured mode; an attribute that is not UTF-8 is a dead
+    row's reason."""
+    event = SdkEvent(
+        {
+            "source": "/apis/v1/pings#a",
+            "id": "1",
+            "type": "t",
+            "datacontenttype": "application/json",
+        },
+        data={"n": 1},
+    )
+    for write in (sdk_kafka.to_binary, sdk_kafka.to_structured):
+        sdk = write(event, JSONFormat())
+        got = receive(incoming(sdk.value, headers=list(sdk.headers.items())), binding("kafka"))
+        assert (got.message_id, got.type, got.body, got.rejected) == (
+            "/apis/v1/pings#a 1",
+            "t",
+            b'{"n":1}' if write is sdk_kafka.to_structured else sdk.value,
+            None,
+        )
+        assert got.headers["ce_id"] == "1" and "ce_data" not in got.headers
+    bad = incoming(
+        b"{}",
+        headers=[
+            ("ce_specversion", b"1.0"),
+            ("ce_id", b"\xff"),
+            ("ce_source", b"s"),
+            ("ce_type", b"t"),
+        ],
+    )
+    row = to_row(receive(bad, binding("kafka")))
+    assert row.status == "dead" and "UTF-8" in (row.last_error or ""), row
 
 
 names = st.text(min_size=1, max_size=20)

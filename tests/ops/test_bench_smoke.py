@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -45,26 +46,50 @@ def test_quick_benchmark_runs_every_scenario(tmp_path):
     assert report["figures"], "no figures recorded"
 
 
-@pytest.mark.timeout(300)
-def test_the_sources_benchmark_runs_at_smoke_size():
-    """bench.sources (issue 36) at two sources, a short trickle beside a small
-    backlog and a small drain: every row arrives (else it exits non-zero)."""
+def bench_sources(*args: str) -> list[dict[str, Any]]:
+    """`python -m bench.sources ARGS`, which must exit 0; the figures it printed."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.sources",
-            *("--counts", "2", "--settle", "1", "--trickle-seconds", "2", "--rate", "20"),
-            *("--backlog", "500", "--drain", "500", "--drain-rounds", "1"),
-        ],
+        [sys.executable, "-m", "bench.sources", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=280,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    figures = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    # Six a source; a seventh while two of a source's jobs overlap.
-    assert 12 <= figures[0]["pg_connections"] <= 14
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(300)
+def test_the_sources_benchmark_runs_at_smoke_size():
+    """bench.sources (issue 36) at two sources, a short trickle beside a small
+    backlog and a small drain: every row arrives (else it exits non-zero)."""
+    figures = bench_sources(
+        *("--counts", "2", "--settle", "1", "--trickle-seconds", "2", "--rate", "20"),
+        *("--backlog", "500", "--drain", "500", "--drain-rounds", "1"),
+    )
+    # Five a source and one LISTEN for the database; a sixth a source
+    # while two of its jobs overlap.
+    assert 11 <= figures[0]["pg_connections"] <= 13
     assert figures[1]["rows"] == 40 and figures[1]["backlog_published_meanwhile"] == 500
     assert figures[2]["rows"] == 500
+
+
+@pytest.mark.timeout(300)
+def test_the_issue45_scenario_runs_at_smoke_size():
+    """bench.sources' issue 45 scenario, small: keyed trickles, the backlog
+    committed during the trickle, its drain beside them and alone, the CPU
+    of the relay and of PostgreSQL, relay's sessions sampled."""
+    figures = bench_sources(
+        *("--counts", "2", "--trickle-sources", "3", "--keyed", "--settle", "1"),
+        *("--trickle-seconds", "3", "--rate", "20", "--backlog", "2000"),
+        *("--backlog-after", "0.5", "--drain-alone", "--drain", "0"),
+    )
+    trickle = figures[-1]
+    assert trickle["sources"] == 4 and trickle["keyed"]
+    assert trickle["rows"] == 60 and trickle["not_arrived_in_60s"] == 0
+    assert trickle["backlog_left_undrained"] == 0
+    assert trickle["backlog_msgs_s"] > 0 and trickle["backlog_alone_msgs_s"] > 0
+    assert trickle["backlog_ratio"] > 0
+    assert set(trickle["cpu_pct"]) == {"relay", "postgresql"}
+    assert trickle["activity"]["samples"] > 0 and trickle["activity"]["sessions"]
+    assert trickle["p50_ms"] <= trickle["p99_ms"]

@@ -444,6 +444,9 @@ async def test_outbox_metrics_after_a_known_workload(engine, rabbit, start_relay
     assert "# TYPE relay_outbox_publish_seconds histogram" in text
     assert "# TYPE relay_outbox_published_total counter" in text
     assert "# TYPE relay_outbox_pending gauge" in text
+    # Every batch done: no claimed row's bytes held (issue 43's gauge).
+    assert "# TYPE relay_outbox_claimed_bytes gauge" in text
+    assert metrics["relay_outbox_claimed_bytes"] == 0.0
     # A backlog shows up in the gauges: rows not due yet stay pending.
     with engine.begin() as conn:
         conn.execute(
@@ -745,7 +748,8 @@ async def test_systemd_notify_ready_once_connected_then_watchdog_pings(
             timeout=60,
             message="READY=1",
         )
-        assert "outbox relay started" in daemon.log
+        # READY=1 goes out just before the line is written.
+        daemon.wait_for_log("outbox relay started", timeout=10)
         later = _receive(sock, 2.5)
         assert later.count("WATCHDOG=1") >= 2  # every 0.5 s: half of WATCHDOG_USEC
         daemon.signal(signal.SIGTERM)

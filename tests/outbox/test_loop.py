@@ -23,7 +23,7 @@ import relay.db.session
 from relay.brokers.memory import MemoryBroker
 from relay.config import BrokerURL, OutboxSettings
 from relay.db import NOTIFY_OUTBOX, Listener, OutboxSession, Store
-from relay.db.session import SHARE_LOCK_CLASS, share_key
+from relay.db.session import SHARE_LOCK_CLASS, Claimed, share_key
 from relay.outbox import WORKERS
 from relay.wiring import outbox_relay
 from tests.conftest import AMQP_URL, insert_outbox, keys_by_share, rows, until
@@ -80,11 +80,11 @@ class LoopRelay:
 
             async def recorded(
                 limit: int, worker: int = 0, workers: int = 1, **kwargs: Any
-            ) -> tuple[list[relay.rows.OutboxRow], int]:
+            ) -> Claimed:
                 self.claims.append((worker, workers))
-                rows, blocked = await claim(limit, worker, workers, **kwargs)
-                self.blocked.append(blocked)
-                return rows, blocked
+                claimed = await claim(limit, worker, workers, **kwargs)
+                self.blocked.append(claimed.blocked)
+                return claimed
 
             monkeypatch.setattr(session, "claim", recorded)
             return session

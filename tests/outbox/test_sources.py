@@ -4,6 +4,7 @@ run time; against the real PostgreSQL and RabbitMQ."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import tempfile
@@ -11,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +31,32 @@ from tests.sqs_server import sqs, sqs_server  # noqa: F401 - fixtures
 SCHEMAS = ("t1", "t2")
 
 
-@pytest.fixture
-def databases(template_db: str, run_relay) -> Iterator[list[str]]:
-    """Two databases, each with relay's tables in schemas t1 and t2; their URLs."""
+@contextlib.contextmanager
+def tenant_databases(run_relay, schemas: Iterable[str]) -> Iterator[list[str]]:
+    """Two databases, each with relay's tables in `schemas`; their URLs."""
     names = [f"relay_s_{uuid.uuid4().hex[:12]}" for _ in range(2)]
     with _admin() as conn:
         for name in names:
             conn.execute(f'CREATE DATABASE "{name}"')
     urls = [pg_url(name) for name in names]
-    for url in urls:
-        for schema in SCHEMAS:
-            result = run_relay(
-                "schema", "apply", "--schema", schema, env={"RELAY_DATABASE_URL": url}
-            )
-            assert result.returncode == 0, result.stderr
-    yield urls
-    for name in names:
-        drop_database(name)
+    try:
+        for url in urls:
+            for schema in schemas:
+                result = run_relay(
+                    "schema", "apply", "--schema", schema, env={"RELAY_DATABASE_URL": url}
+                )
+                assert result.returncode == 0, result.stderr
+        yield urls
+    finally:
+        for name in names:
+            drop_database(name)
+
+
+@pytest.fixture
+def databases(template_db: str, run_relay) -> Iterator[list[str]]:
+    """Two databases, each with relay's tables in schemas t1 and t2; their URLs."""
+    with tenant_databases(run_relay, SCHEMAS) as urls:
+        yield urls
 
 
 def insert(url: str, schema: str, topic: str, n: int = 1) -> None:

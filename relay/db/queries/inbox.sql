@@ -21,7 +21,8 @@ ON CONFLICT (consumer, message_id) DO NOTHING
 RETURNING message_id
 
 -- name: inbox_claim
--- The inbox twin of the outbox claim (see outbox_claim), per consumer.
+-- The inbox twin of the outbox claim (see outbox_claim), per consumer,
+-- bounded by :budget bytes in the same way.
 WITH low AS MATERIALIZED (
     SELECT coalesce(min(seq), 0) AS seq FROM inbox
     WHERE consumer = :consumer AND status = 'pending'
@@ -45,16 +46,32 @@ WITH low AS MATERIALIZED (
     ORDER BY i.seq
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
+), stored AS (
+    -- A body that is not JSON has no payload (0 here): its bytes are read
+    -- only for a retried row's handler, one row at a time (inbox_body).
+    SELECT l.*, sum(coalesce(pg_column_size(l.payload), 0)) OVER w
+                - coalesce(pg_column_size(l.payload), 0) AS before,
+           row_number() OVER w AS rn
+    FROM locked l WINDOW w AS (ORDER BY l.seq ROWS UNBOUNDED PRECEDING)
+), sized AS (
+    SELECT s.*, sum(s.size) OVER w AS upto, row_number() OVER w AS nth
+    FROM (SELECT t.*, coalesce({size}, 0) AS size FROM stored t WHERE t.before <= :budget OR t.rn <= 2) s
+    WINDOW w AS (ORDER BY s.seq ROWS UNBOUNDED PRECEDING)
 )
-SELECT l.message_id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
-       l.headers::text AS headers, l.attempts,
+SELECT l.message_id, l.seq, l.topic, l.key, l.type,
+       CASE WHEN l.upto <= :budget OR (l.nth = 1 AND CAST(:alone AS int) = 1)
+            THEN l.payload::text END AS payload,
+       l.headers::text AS headers, l.attempts, l.size,
+       l.upto <= :budget OR (l.nth = 1 AND CAST(:alone AS int) = 1) AS fits,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM inbox e
            WHERE e.consumer = :consumer AND e.key = l.key
              AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
              AND e.status <> 'processed' AND e.status <> 'dead'
              AND e.message_id NOT IN (SELECT message_id FROM locked)) AS blocked
-FROM locked l
+FROM sized l
+-- The rows that fit, and the first that does not (the one before it fits).
+WHERE l.nth = 1 OR l.upto - l.size <= :budget OR (l.nth = 2 AND CAST(:alone AS int) = 1)
 ORDER BY l.seq
 
 -- name: inbox_claim_dead_skip

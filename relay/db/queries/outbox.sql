@@ -17,6 +17,21 @@
 -- --on-dead policy (outbox_claim_dead_*); :limit is the batch size,
 -- :worker the worker and :workers how many there are.
 --
+-- The batch is bounded by bytes too (issue 43; docs/operations.md): of the
+-- rows locked, in seq order, it takes those whose payloads' sizes add up to
+-- at most :budget bytes, and a first row larger than that alone when
+-- :alone is 1. PostgreSQL measures before anything is read: {size} is the
+-- payload's size as text, the bytes the daemon will hold (claim_size in
+-- relay.db.sql: pg_column_size for a value stored uncompressed, which reads
+-- no more than the row or its TOAST pointer; for a compressed one the
+-- text's length, never less than what is stored), and only rows whose
+-- stored sizes so far are within the budget are measured (and the second,
+-- which follows a first row taken alone): as no size is below the stored
+-- one, the rows left out would not have fitted, and the first that does
+-- not is always measured. The first row past the budget comes back too,
+-- without its payload (fits false): its size tells the daemon how many
+-- bytes it must wait for (relay.budget).
+--
 -- A claim runs under its share's lock, taken by the statement before it
 -- (outbox_share_wait, outbox_shares_try); when the scout's try found a
 -- share held elsewhere (relay.shares_busy, set for this transaction), the
@@ -51,15 +66,28 @@ WITH low AS MATERIALIZED (
     ORDER BY o.seq
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
+), stored AS (
+    SELECT l.*, sum(pg_column_size(l.payload)) OVER w - pg_column_size(l.payload) AS before,
+           row_number() OVER w AS rn
+    FROM locked l WINDOW w AS (ORDER BY l.seq ROWS UNBOUNDED PRECEDING)
+), sized AS (
+    SELECT s.*, sum(s.size) OVER w AS upto, row_number() OVER w AS nth
+    FROM (SELECT t.*, {size} AS size FROM stored t WHERE t.before <= :budget OR t.rn <= 2) s
+    WINDOW w AS (ORDER BY s.seq ROWS UNBOUNDED PRECEDING)
 )
-SELECT l.id::text AS id, l.seq, l.topic, l.key, l.type, l.payload::text AS payload,
-       l.headers::text AS headers, l.created_at, l.attempts,
+SELECT l.id::text AS id, l.seq, l.topic, l.key, l.type,
+       CASE WHEN l.upto <= :budget OR (l.nth = 1 AND CAST(:alone AS int) = 1)
+            THEN l.payload::text END AS payload,
+       l.headers::text AS headers, l.created_at, l.attempts, l.size,
+       l.upto <= :budget OR (l.nth = 1 AND CAST(:alone AS int) = 1) AS fits,
        l.key IS NOT NULL AND EXISTS (
            SELECT 1 FROM outbox e
            WHERE e.key = l.key AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
              AND e.status <> 'published' AND e.status <> 'dead'
              AND e.id NOT IN (SELECT id FROM locked)) AS blocked
-FROM locked l
+FROM sized l
+-- The rows that fit, and the first that does not (the one before it fits).
+WHERE l.nth = 1 OR l.upto - l.size <= :budget OR (l.nth = 2 AND CAST(:alone AS int) = 1)
 ORDER BY l.seq
 
 -- name: outbox_share_wait
