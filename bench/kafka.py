@@ -19,20 +19,39 @@ beside references measured in the same run.
 - `inbox_batch`: `relay inbox` with a batch handler (bench.handlers:batch)
   over those N records, as a consumer group, its steady rate over the
   Kafka drain (relay's `outbox` above, as `wire` judges the RabbitMQ inbox
-  against the RabbitMQ drain) and over the bare consumer.
+  against the RabbitMQ drain) and over the bare consumer;
+- `*_relay_us_per_msg`, `*_pg_us_per_msg`: the CPU a message of relay's
+  processes and of its database's backends (Spent) for each daemon, and
+  `rabbitmq_*` the same two daemons over RabbitMQ in the same run.
+
+    .venv/bin/python -m bench.run --only kafka_backlog [--backlog N]
+
+`kafka_backlog` (opt-in too): each daemon over N (1,000,000) messages on
+Kafka, the rate over the first fifth and the last, and the CPU a message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 import uuid
 from typing import Any
 
 from bench import limits
 from bench.backlog import KEYS, MEASURED_TOPIC, preload_outbox
-from bench.common import BenchError, Resources, batch_times, free_port, payload, steady_rate
-from bench.harness import Report, Sizes, create_effects, wait_metric
+from bench.common import (
+    AMQP_URL,
+    BenchError,
+    Proc,
+    Resources,
+    batch_times,
+    free_port,
+    payload,
+    steady_rate,
+)
+from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
+from bench.where import ServerCpu, TreeCpu
 from relay.outbox import WORKERS
 
 PARTITIONS = 6
@@ -106,6 +125,111 @@ def bare_drain(bootstrap: str, topic: str, count: int) -> float:
     return time.perf_counter() - first
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children (the relays waited for,
+    with their own children: the inbox's receiver)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Spent:
+    """The CPU one daemon's run cost from its "started" line to its exit:
+    relay's (its processes, from getrusage of the finished children less what
+    they had spent by that line) and its database's (the backends of its
+    database, sampled from /proc every 0.2 s: a backend's last fifth of a second
+    before it exits can be missed)."""
+
+    def __init__(self, url: str) -> None:
+        self.before = children_cpu()
+        self.pg = ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " ")
+        self.relay = self.db = 0.0
+        self._at_start = 0.0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def started(self, proc: Proc) -> None:
+        tree = TreeCpu(proc.pid)
+        tree.sample()
+        self._at_start = sum(seconds for _, seconds in tree.seen.values())
+        self.pg.start()
+        self._task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.pg.sample()
+            await asyncio.sleep(0.2)
+
+    async def finished(self) -> None:
+        """After the daemon exited (and was waited for)."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        self.pg.sample()
+        self.relay = children_cpu() - self.before - self._at_start
+        self.db = self.pg.used()
+
+    def report(self, report: Report, scenario: str, who: str, count: int) -> None:
+        report.add(scenario, f"{who}_relay_us_per_msg", self.relay / count * 1e6, "us")
+        report.add(scenario, f"{who}_pg_us_per_msg", self.db / count * 1e6, "us")
+
+
+async def run_outbox(
+    res: Resources, url: str, broker: str, count: int, exchange: str = "relay"
+) -> tuple[list[tuple[float, int]], Spent]:
+    """`relay outbox --once` over `count` fresh rows of 100 keys to `broker`:
+    its batches and what it spent."""
+    await create_effects(url)
+    await preload_outbox(url, count)
+    spent = Spent(url)
+    proc = res.relay("outbox-kafka", "outbox", "--once", *daemon_args(url, exchange, broker))
+    await proc.wait_log("outbox relay started", timeout=120)
+    spent.started(proc)
+    code = await proc.wait_exit(timeout=max(300.0, count / 300))
+    if code != 0:
+        raise BenchError(f"relay outbox --once to {broker} exited {code}:\n{proc.tail()}")
+    await spent.finished()
+    return await batch_times(url, "outbox"), spent
+
+
+async def run_inbox(
+    res: Resources, url: str, broker: str, queue: str, count: int, exchange: str = "relay"
+) -> tuple[list[tuple[float, int]], Spent]:
+    """`relay inbox` with the batch handler over `count` messages waiting in
+    `queue` (a topic on Kafka), until it has processed them: its batches and
+    what it spent."""
+    port = free_port()
+    spent = Spent(url)
+    inbox = res.relay(
+        "inbox-kafka",
+        "inbox",
+        *daemon_args(url, exchange, broker),
+        "--queue",
+        queue,
+        "--consumer-name",
+        "bench",
+        "--handlers",
+        "bench.handlers:batch",
+        "--http-port",
+        str(port),
+    )
+    await inbox.wait_log("inbox started", timeout=120)
+    spent.started(inbox)
+    await wait_metric(
+        inbox,
+        port,
+        "relay_inbox_processed_total",
+        count,
+        timeout=max(300.0, count / 150),
+        interval=1.0 if count > 100_000 else 0.1,
+        fail_on="relay_inbox_failed_total",
+    )
+    code = await inbox.stop()
+    if code != 0:
+        raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{inbox.tail()}")
+    await spent.finished()
+    return await batch_times(url, "inbox"), spent
+
+
 async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -135,16 +259,8 @@ async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
 
         broker = f"kafka://{bootstrap}?{URL_PARAMS}"
         url = await res.database("kafka")
-        await create_effects(url)
-        await preload_outbox(url, count)
-        proc = res.relay(
-            "outbox-kafka", "outbox", "--once", "--database-url", url, "--broker-url", broker
-        )
-        await proc.wait_log("outbox relay started", timeout=120)
-        code = await proc.wait_exit(timeout=max(300.0, count / 300))
-        if code != 0:
-            raise BenchError(f"relay outbox --once to Kafka exited {code}:\n{proc.tail()}")
-        outbox = steady_rate(await batch_times(url, "outbox"))
+        outbox_points, outbox_cpu = await run_outbox(res, url, broker, count)
+        outbox = steady_rate(outbox_points)
         if outbox is None:
             raise BenchError("too few outbox batches for a steady rate: use more messages")
         report.add("kafka", "outbox", outbox, "msgs/s", messages=count)
@@ -155,36 +271,8 @@ async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
 
         consumer = count / await asyncio.to_thread(bare_drain, bootstrap, MEASURED_TOPIC, count)
         report.add("kafka", "consumer_bare", consumer, "msgs/s")
-        port = free_port()
-        inbox = res.relay(
-            "inbox-kafka",
-            "inbox",
-            "--database-url",
-            url,
-            "--broker-url",
-            broker,
-            "--queue",
-            MEASURED_TOPIC,
-            "--consumer-name",
-            "bench",
-            "--handlers",
-            "bench.handlers:batch",
-            "--http-port",
-            str(port),
-        )
-        await inbox.wait_log("inbox started", timeout=120)
-        await wait_metric(
-            inbox,
-            port,
-            "relay_inbox_processed_total",
-            count,
-            timeout=max(300.0, count / 150),
-            fail_on="relay_inbox_failed_total",
-        )
-        code = await inbox.stop()
-        if code != 0:
-            raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{inbox.tail()}")
-        handled = steady_rate(await batch_times(url, "inbox"))
+        inbox_points, inbox_cpu = await run_inbox(res, url, broker, MEASURED_TOPIC, count)
+        handled = steady_rate(inbox_points)
         if handled is None:
             raise BenchError("too few inbox batches for a steady rate: use more messages")
         report.add("kafka", "inbox_batch", handled, "msgs/s", messages=count)
@@ -192,6 +280,65 @@ async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
         # judges the RabbitMQ inbox against the RabbitMQ drain.
         report.add("kafka", "inbox_batch_over_drain", handled / outbox, "x")
         report.add("kafka", "inbox_batch_over_consumer_bare", handled / consumer, "x")
+        await res.drop_database(url)
+        outbox_cpu.report(report, "kafka", "outbox", count)
+        inbox_cpu.report(report, "kafka", "inbox", count)
+
+        # The same two daemons over RabbitMQ in the same run: rates and CPU
+        # a message beside Kafka's.
+        url = await res.database("kafka_rabbitmq")
+        exchange, queue = res.names("kafka_rabbitmq")
+        await res.bind_queue(exchange, queue)
+        points, cpu = await run_outbox(res, url, AMQP_URL, count, exchange)
+        report.add("kafka", "rabbitmq_outbox", steady_rate(points) or 0.0, "msgs/s")
+        cpu.report(report, "kafka", "rabbitmq_outbox", count)
+        points, cpu = await run_inbox(res, url, AMQP_URL, queue, count, exchange)
+        report.add("kafka", "rabbitmq_inbox_batch", steady_rate(points) or 0.0, "msgs/s")
+        cpu.report(report, "kafka", "rabbitmq_inbox", count)
+        await res.drop_database(url)
+    finally:
+        await asyncio.to_thread(server.close)
+
+
+async def scenario_kafka_backlog(res: Resources, sz: Sizes, report: Report) -> None:
+    """Issue 46's backlog: `relay outbox --once` over N pending rows to a
+    Kafka topic of six partitions, then `relay inbox` (batch handler) over
+    the N records it produced, as bench.backlog's `backlog` does on
+    RabbitMQ (on a PostgreSQL of its own with the default settings, as
+    `backlog`: bench.run's OWN_SERVER; no VACUUM between): each one's
+    rate over its first fifth and its last, and the CPU a message."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from bench.backlog import _report_fifths, window_rate
+    from tests.kafka_server import KafkaServer
+
+    count = sz.backlog
+    server = await asyncio.to_thread(KafkaServer, res.workdir / "tansu.log")
+    try:
+        admin = AdminClient({"bootstrap.servers": server.bootstrap})
+        for future in admin.create_topics([NewTopic(MEASURED_TOPIC, PARTITIONS, 1)]).values():
+            future.result(30)
+        broker = f"kafka://{server.bootstrap}?{URL_PARAMS}"
+        url = await res.database("kafka_backlog")
+        points, spent = await run_outbox(res, url, broker, count)
+        _report_fifths(report, "kafka_backlog", "outbox", points, count)
+        spent.report(report, "kafka_backlog", "outbox", count)
+        points, spent = await run_inbox(res, url, broker, MEASURED_TOPIC, count)
+        _report_fifths(report, "kafka_backlog", "inbox", points, count)
+        spent.report(report, "kafka_backlog", "inbox", count)
+        # The receiver's storing rate per fifth (as `backlog`'s): tells a
+        # slower handling from a receiver (or broker) that fell behind.
+        stored = await batch_times(url, "inbox", "received_at")
+        report.add(
+            "kafka_backlog",
+            "inbox_receive_fifths",
+            window_rate(stored, 0.0, 1.0) or 0.0,
+            "msgs/s",
+            fifths=[
+                round(r) if (r := window_rate(stored, i / 5, (i + 1) / 5)) else None
+                for i in range(5)
+            ],
+        )
         await res.drop_database(url)
     finally:
         await asyncio.to_thread(server.close)

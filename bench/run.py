@@ -79,7 +79,7 @@ from bench.harness import (
     metrics,
     wait_metric,
 )
-from bench.kafka import scenario_kafka
+from bench.kafka import scenario_kafka, scenario_kafka_backlog
 from bench.naive import run_naive
 from bench.pgserver import own_postgres
 from bench.reference import (
@@ -630,14 +630,15 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "latency_offered": scenario_latency_offered,
     "multi": scenario_multi,
     "kafka": scenario_kafka,
+    "kafka_backlog": scenario_kafka_backlog,
     "cloudevents": scenario_cloudevents,
 }
 # Run only when named (--only): `kafka` starts a broker of its own (Tansu),
 # and the quick run of every scenario is near its time limit in the tests.
-OPT_IN = frozenset({"kafka"})
+OPT_IN = frozenset({"kafka", "kafka_backlog"})
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
-OWN_SERVER = frozenset({"backlog", "retention"})
+OWN_SERVER = frozenset({"backlog", "retention", "kafka_backlog"})
 
 
 # --------------------------------------------------------------------------
@@ -804,6 +805,14 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
         0.8,
         "x",
     )
+    for daemon in ("outbox", "inbox"):
+        check(
+            f"46: {daemon} Kafka backlog, last fifth / first",
+            g("kafka_backlog", f"{daemon}_last_over_first"),
+            ">=",
+            0.9,
+            "x",
+        )
     return checks
 
 

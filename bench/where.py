@@ -3,6 +3,11 @@ with the CPU each process spent and, optionally, py-spy's samples.
 
     .venv/bin/python -m bench.where outbox --messages 20000 [--py-spy DIR]
     .venv/bin/python -m bench.where inbox --messages 20000 [--py-spy DIR]
+    .venv/bin/python -m bench.where inbox --broker kafka --handlers bench.handlers:batch
+
+--broker kafka: the same on Kafka (Tansu started as bench.kafka does, a
+topic of six partitions; the inbox's topic filled by a bare producer in
+relay's wire format); "rabbitmq" then reads Tansu's CPU.
 
 outbox: `relay outbox` over N pending rows (until it has published them;
 its /metrics give the workers' share of time spent publishing). inbox: `relay inbox`
@@ -32,8 +37,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from bench.backlog import fill_queue, preload_outbox
+from bench.backlog import MEASURED_TOPIC, fill_queue, preload_outbox
 from bench.common import (
     REPO,
     BenchError,
@@ -45,7 +51,7 @@ from bench.common import (
     relay_command,
     steady_rate,
 )
-from bench.harness import create_effects, daemon_args, metrics, wait_metric
+from bench.harness import AMQP_URL, create_effects, daemon_args, metrics, wait_metric
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -64,7 +70,9 @@ def pids_named(name: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if Path(f"/proc/{entry}/comm").read_text().strip() == name:
+                comm = Path(f"/proc/{entry}/comm").read_text().strip()
+                # "name*": a prefix (Tansu's binary carries its version).
+                if comm == name or (name.endswith("*") and comm.startswith(name[:-1])):
                     found.append(int(entry))
             except OSError:
                 pass
@@ -166,7 +174,10 @@ def hottest(raw: Path, top: int = 25) -> list[str]:
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         # The event loop's samples only: start-up (imports) left out.
-        if not stack or "run_forever" not in stack or "_find_and_load" in stack:
+        # (and the Kafka consumer's consume thread).
+        if not stack or "_find_and_load" in stack:
+            continue
+        if "run_forever" not in stack and "_consume (relay/brokers/kafka.py" not in stack:
             continue
         n = int(count)
         total += n
@@ -191,24 +202,33 @@ async def main(args: argparse.Namespace) -> None:
 
     res = Resources(f"where_{args.daemon}")
     proc = None
+    kafka = None
     try:
         url = await res.database()
-        exchange, queue = res.names()
-        await res.bind_queue(exchange, queue)
         count = args.messages
+        if args.broker == "kafka":
+            kafka, broker = await _kafka(res, count if args.daemon == "inbox" else 0)
+            exchange, queue = "relay", MEASURED_TOPIC  # the exchange: unused by Kafka
+        else:
+            exchange, queue = res.names()
+            await res.bind_queue(exchange, queue)
+            broker = AMQP_URL
         if args.daemon == "outbox":
             await preload_outbox(url, count)
             port = free_port()
-            argv_tail = ["outbox", *daemon_args(url, exchange), "--http-port", str(port)]
+            argv_tail = ["outbox", *daemon_args(url, exchange, broker), "--http-port", str(port)]
         else:
             await create_effects(url)
-            await fill_queue(res, exchange, queue, count)
+            if kafka is None:
+                await fill_queue(res, exchange, queue, count)
             port = free_port()
             argv_tail = [
                 "inbox",
-                *daemon_args(url, exchange),
+                *daemon_args(url, exchange, broker),
                 "--queue",
                 queue,
+                "--consumer-name",
+                "bench",
                 "--handlers",
                 args.handlers,
                 "--http-port",
@@ -245,7 +265,7 @@ async def main(args: argparse.Namespace) -> None:
         tree.sample()
         at_start = {pid: seconds for pid, (_, seconds) in tree.seen.items()}
         servers = [
-            ServerCpu("beam.smp"),
+            ServerCpu("tansu*" if kafka is not None else "beam.smp"),
             ServerCpu("postgres"),
             ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " "),
         ]
@@ -288,7 +308,8 @@ async def main(args: argparse.Namespace) -> None:
         await asyncio.gather(sampler, *watchers)
         for server in servers:
             server.sample()
-        used = {"rabbitmq": servers[0].used(), "postgresql": servers[1].used()}
+        broker_name = "tansu" if kafka is not None else "rabbitmq"
+        used = {broker_name: servers[0].used(), "postgresql": servers[1].used()}
         backends = servers[2].used()
         table = "outbox" if args.daemon == "outbox" else "inbox"
         batches = await batch_times(url, table)
@@ -298,6 +319,9 @@ async def main(args: argparse.Namespace) -> None:
             f"{count / max(len(batches), 1):,.0f} a batch on average, "
             f"load average {load} -> {loadavg()}"
         )
+        if args.daemon == "inbox":
+            received = await batch_times(url, "inbox", "received_at")
+            print(f"the receiver: {count / max(len(received), 1):,.0f} messages a batch on average")
         print("CPU per message, µs (from the daemon's 'started' line to the end):")
         for pid, (label, seconds) in tree.seen.items():
             if "py-spy" not in label:
@@ -336,9 +360,28 @@ async def main(args: argparse.Namespace) -> None:
         for pid in descendants(proc.pid) if proc is not None else []:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
+        if kafka is not None:
+            await asyncio.to_thread(kafka.close)
         problems = await res.close()
         if problems:
             print("cleanup:", problems, file=sys.stderr)
+
+
+async def _kafka(res: Resources, count: int) -> tuple[Any, str]:
+    """Tansu (as bench.kafka starts it) with MEASURED_TOPIC of six
+    partitions holding `count` records in relay's wire format; its URL."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from bench.kafka import PARTITIONS, URL_PARAMS, bare_produce
+    from tests.kafka_server import KafkaServer
+
+    server = await asyncio.to_thread(KafkaServer, res.workdir / "tansu.log")
+    admin = AdminClient({"bootstrap.servers": server.bootstrap})
+    for future in admin.create_topics([NewTopic(MEASURED_TOPIC, PARTITIONS, 1)]).values():
+        future.result(30)
+    if count:
+        await asyncio.to_thread(bare_produce, server.bootstrap, MEASURED_TOPIC, count)
+    return server, f"kafka://{server.bootstrap}?{URL_PARAMS}"
 
 
 if __name__ == "__main__":
@@ -350,6 +393,7 @@ if __name__ == "__main__":
         default="bench.handlers",
         help="inbox: bench.handlers (one INSERT) or bench.handlers:noop",
     )
+    parser.add_argument("--broker", choices=("rabbitmq", "kafka"), default="rabbitmq")
     parser.add_argument("--py-spy", metavar="DIR", help="record the daemon with py-spy into DIR")
     os.chdir(REPO)
     asyncio.run(main(parser.parse_args()))

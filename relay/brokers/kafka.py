@@ -121,6 +121,9 @@ DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's message.max.bytes
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 # Records received and not yet acknowledged beyond which fetching pauses.
 MAX_HELD = 5000
+# How long the consume thread waits, over MAX_HELD, before it pauses its
+# partitions (a rebalance waits that long at most meanwhile).
+PAUSE_AFTER = 1.0
 
 _UNREACHABLE = {
     KafkaError._ALL_BROKERS_DOWN,
@@ -779,6 +782,7 @@ class KafkaConsumer:
         consumer = self._consumer
         assert consumer is not None
         paused = False
+        over_since: float | None = None  # since when `max_held` are held, not paused
         while not self._stop.is_set():
             while self._lag_wanted:
                 wanted = self._lag_wanted.popleft()
@@ -787,45 +791,69 @@ class KafkaConsumer:
                 if self._commit_due.is_set():
                     self._commit_due.clear()
                     self._commit(consumer, asynchronous=True)
-                if self._held >= self.max_held and not paused:
+                if self._held < self.max_held:
+                    over_since = None
+                    if paused and self._held < self.max_held // 2:
+                        consumer.resume(consumer.assignment())
+                        paused = False
+                elif not paused:
+                    # Over the limit: wait for acknowledgements without
+                    # consuming (librdkafka's prefetched records stay). Only
+                    # a longer wait pauses, so that rebalances are served:
+                    # pause() throws the prefetched records away and resume()
+                    # fetches them again.
+                    now = time.monotonic()
+                    over_since = over_since or now
+                    if now - over_since < PAUSE_AFTER:
+                        with self._lock:
+                            if self._held >= self.max_held and not self._stop.is_set():
+                                self._acked.wait(0.05)
+                        continue
                     consumer.pause(consumer.assignment())
                     paused = True
-                elif paused and self._held < self.max_held // 2:
-                    consumer.resume(consumer.assignment())
-                    paused = False
                 messages = consumer.consume(500, 0.1)
             except (KafkaException, RuntimeError) as exc:
                 self._fail(BrokerUnavailable(f"Kafka consumer of {', '.join(self.topics)}: {exc}"))
                 return
             if not messages:
                 continue
-            got: list[Incoming] = []
-            with self._lock:
-                for message in messages:
-                    error = message.error()
-                    if error is not None:
-                        if error.code() == KafkaError._PARTITION_EOF:
-                            continue
-                        if error.code() in _MISSING_TOPIC or error.fatal():
-                            self._fail(
-                                BrokerUnavailable(
-                                    f"Kafka consumer of {message.topic()!r}: {_describe(error)}"
-                                )
-                            )
-                        else:
-                            log.warning("Kafka consumer: %s", _describe(error))
-                        continue
-                    token = Token(
-                        message.topic() or "", message.partition() or 0, message.offset() or 0, 0
-                    )
-                    state = self._partitions.get((token.topic, token.partition))
-                    if state is None:  # revoked meanwhile
-                        continue
-                    state.handed.append([token.offset, 0])
-                    self._held += 1
-                    got.append(to_incoming(message, token._replace(epoch=state.epoch)))
+            got = self._take(messages)
             if got:
                 self._loop_call(self._deliver, got)
+
+    def _take(self, messages: list[Message]) -> list[Incoming]:
+        """The records of one consume() as the inbox sees them, each one
+        noted as handed out (in the consume thread: the hot path, one pass,
+        each partition's state looked up once a batch)."""
+        got: list[Incoming] = []
+        states: dict[tuple[str, int], _Partition | None] = {}
+        with self._lock:
+            for message in messages:
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    if error.code() in _MISSING_TOPIC or error.fatal():
+                        self._fail(
+                            BrokerUnavailable(
+                                f"Kafka consumer of {message.topic()!r}: {_describe(error)}"
+                            )
+                        )
+                    else:
+                        log.warning("Kafka consumer: %s", _describe(error))
+                    continue
+                place = (message.topic() or "", message.partition() or 0)
+                if place in states:
+                    state = states[place]
+                else:
+                    state = states[place] = self._partitions.get(place)
+                if state is None:  # revoked meanwhile
+                    continue
+                offset = message.offset() or 0
+                state.handed.append([offset, 0])
+                got.append(to_incoming(message, Token(place[0], place[1], offset, state.epoch)))
+            self._held += len(got)
+        return got
 
     def _loop_call(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop

@@ -41,6 +41,18 @@ def publisher(kafka: Kafka, extra: str = ""):
     return make_publisher(BrokerURL.parse(kafka.url(extra)), exchange="relay", workers=4)
 
 
+def group_consumer(kafka: Kafka, topic: str):
+    """relay's consumer of `topic` as the group g-TOPIC."""
+    return make_consumer(
+        BrokerURL.parse(kafka.url()),
+        queue=topic,
+        exchange="relay",
+        binds=(),
+        prefetch=100,
+        consumer_name="g-" + topic,
+    )
+
+
 async def test_a_record_carries_the_contracts_key_value_timestamp_and_headers(kafka: Kafka):
     topic = kafka.topic("wire")
     full = row(
@@ -118,14 +130,7 @@ async def test_the_consumer_commits_only_behind_acknowledged_records(kafka: Kafk
     for n in range(5):
         kafka.produce(topic, b'{"n": %d}' % n, flush=False)
     kafka.flush()
-    consumer = make_consumer(
-        BrokerURL.parse(kafka.url()),
-        queue=topic,
-        exchange="relay",
-        binds=(),
-        prefetch=100,
-        consumer_name="g-" + topic,
-    )
+    consumer = group_consumer(kafka, topic)
     batches = consumer.batches(10, 0.3)
     try:
         got = []
@@ -139,3 +144,49 @@ async def test_the_consumer_commits_only_behind_acknowledged_records(kafka: Kafk
         await consumer.close()
     assert kafka.committed("g-" + topic, topic) == {0: 2}
     assert [m.message_id for m in got] == [f"kafka:{topic}:0:{n}" for n in range(5)]
+
+
+async def test_over_its_limit_the_consumer_waits_then_pauses_and_loses_nothing(
+    kafka: Kafka, monkeypatch: pytest.MonkeyPatch
+):
+    """Records held unacknowledged up to the limit stop the consuming; after
+    PAUSE_AFTER the partitions are paused (librdkafka drops what it had
+    prefetched); once acknowledged, every record arrives, each once, and the
+    offset committed is past the last."""
+    import relay.brokers.kafka as adapter
+
+    monkeypatch.setattr(adapter, "PAUSE_AFTER", 0.3)
+    topic = kafka.topic("held")
+    total = 1500
+    for n in range(total):
+        kafka.produce(topic, b'{"n": %d}' % n, flush=False)
+    kafka.flush()
+    consumer = group_consumer(kafka, topic)
+    consumer.max_held = 5
+    batches = consumer.batches(1000, 0.05)
+    pending = asyncio.ensure_future(anext(batches))
+    try:
+        async with asyncio.timeout(60):
+            held = await pending  # the group joined
+            pending = asyncio.ensure_future(anext(batches))
+            while True:  # nothing acknowledged: what arrives stops at the limit
+                done, _ = await asyncio.wait({pending}, timeout=2)
+                if not done:
+                    break
+                held += pending.result()
+                pending = asyncio.ensure_future(anext(batches))
+            assert 5 <= len(held) < total
+            await consumer.ack(held)
+            got = list(held)
+            while len(got) < total:
+                batch = await pending
+                pending = asyncio.ensure_future(anext(batches))
+                got += batch
+                await consumer.ack(batch)
+    finally:
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await batches.aclose()
+        await consumer.close()
+    assert sorted(m.message_id for m in got) == sorted(f"kafka:{topic}:0:{n}" for n in range(total))
+    assert kafka.committed("g-" + topic, topic) == {0: total}

@@ -17,7 +17,16 @@ from tests.conftest import REPO
 def test_the_kafka_benchmark_runs_at_smoke_size(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", "--only", "kafka", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--quick",
+            "--only",
+            "kafka,kafka_backlog",
+            "--out",
+            str(out),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -25,6 +34,16 @@ def test_the_kafka_benchmark_runs_at_smoke_size(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert "error" not in report["scenarios"]["kafka"], report["scenarios"]["kafka"]
+    for scenario in ("kafka", "kafka_backlog"):
+        assert "error" not in report["scenarios"][scenario], report["scenarios"][scenario]
     figures = {f["figure"] for f in report["figures"] if f["scenario"] == "kafka"}
     assert {"floor", "outbox", "outbox_over_floor", "inbox_batch_over_drain"} <= figures
+    # The CPU a message of each daemon, on Kafka and on RabbitMQ.
+    assert {
+        f"{broker}{daemon}_{who}_us_per_msg"
+        for broker in ("", "rabbitmq_")
+        for daemon in ("outbox", "inbox")
+        for who in ("relay", "pg")
+    } <= figures
+    backlog = {f["figure"] for f in report["figures"] if f["scenario"] == "kafka_backlog"}
+    assert {"outbox_last_over_first", "inbox_last_over_first"} <= backlog
