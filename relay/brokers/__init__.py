@@ -12,9 +12,11 @@ makes.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import importlib
 import re
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -146,6 +148,39 @@ class Consumer(Protocol):
         """Acknowledge every message of a batch (after its rows are committed)."""
 
     async def close(self) -> None: ...
+
+
+async def take_batch(
+    buffer: deque[Incoming],
+    arrived: asyncio.Event,
+    failed: Callable[[], bool],
+    max_size: int,
+    max_wait: float,
+) -> list[Incoming]:
+    """Up to `max_size` messages from `buffer`, which a receiving thread or
+    task fills, setting `arrived`: waiting for the first as long as it takes,
+    then at most `max_wait` for the rest. Empty once `failed()`: the adapter
+    says why."""
+    loop = asyncio.get_running_loop()
+    batch: list[Incoming] = []
+    deadline = 0.0
+    while len(batch) < max_size and not failed():
+        if buffer:
+            if not batch:
+                deadline = loop.time() + max_wait
+            batch.append(buffer.popleft())
+            continue
+        timeout = None
+        if batch:
+            timeout = deadline - loop.time()
+            if timeout <= 0:
+                break
+        arrived.clear()
+        try:
+            await asyncio.wait_for(arrived.wait(), timeout)
+        except TimeoutError:
+            break
+    return batch
 
 
 def row_headers(row: OutboxRow) -> dict[str, str]:

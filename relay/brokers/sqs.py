@@ -41,6 +41,7 @@ from relay.brokers import (
     encode_failure,
     row_body,
     row_headers,
+    take_batch,
 )
 from relay.config import BrokerURL, redact_url
 from relay.errors import BadMessage, BrokerUnavailable, ConfigError
@@ -738,28 +739,13 @@ class SqsConsumer(_Adapter):
             abandoned.set()
             raise
 
+    def _failed(self) -> bool:
+        return self._failure is not None
+
     async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
-        loop = asyncio.get_running_loop()
         while True:
             await self.connect()
-            batch: list[Incoming] = []
-            deadline = 0.0
-            while len(batch) < max_size and self._failure is None:
-                if self._buffer:
-                    if not batch:
-                        deadline = loop.time() + max_wait
-                    batch.append(self._buffer.popleft())
-                    continue
-                timeout = None
-                if batch:
-                    timeout = deadline - loop.time()
-                    if timeout <= 0:
-                        break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), timeout)
-                except TimeoutError:
-                    break
+            batch = await take_batch(self._buffer, self._arrived, self._failed, max_size, max_wait)
             if batch:
                 yield batch  # any failure shows on the next round
                 continue
