@@ -151,6 +151,28 @@ class Kafka:
         if flush:
             self.flush()
 
+    def send(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+        partition: int | None = None,
+    ) -> None:
+        """A record as a producer sets relay's fields: `id` and `type`
+        headers, the key as UTF-8, the other headers as given."""
+        pairs = [("id", message_id), ("type", type), *(headers or {}).items()]
+        self.produce(
+            topic,
+            body,
+            key=key.encode() if key is not None else None,
+            headers=[(n, v.encode()) for n, v in pairs if v is not None],
+            partition=partition,
+        )
+
     def flush(self) -> None:
         left = self.producer.flush(30)
         assert left == 0, f"{left} records not delivered"

@@ -397,13 +397,14 @@ class KafkaPort:
         key: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        pairs = [("id", message_id), ("type", type), *(headers or {}).items()]
         await asyncio.to_thread(
-            self.kafka.produce,
+            self.kafka.send,
             queue,
             body,
-            key=key.encode() if key is not None else None,
-            headers=[(n, v.encode()) for n, v in pairs if v is not None],
+            message_id=message_id,
+            type=type,
+            key=key,
+            headers=headers,
             partition=0,
         )
 
