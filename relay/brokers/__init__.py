@@ -160,7 +160,8 @@ async def take_batch(
     """Up to `max_size` messages from `buffer`, which a receiving thread or
     task fills, setting `arrived`: waiting for the first as long as it takes,
     then at most `max_wait` for the rest. Empty once `failed()`: the adapter
-    says why."""
+    says why. The adapter changes `buffer` in place, never rebinds it: the
+    batch being gathered holds this deque."""
     loop = asyncio.get_running_loop()
     batch: list[Incoming] = []
     deadline = 0.0

@@ -768,7 +768,9 @@ class KafkaConsumer:
                 dropped.setdefault((token.topic, token.partition), set()).add(token.offset)
             else:
                 kept.append(message)
-        self._buffer = kept
+        # In place: a batch being gathered (brokers.take_batch) holds this deque.
+        self._buffer.clear()
+        self._buffer.extend(kept)
         with self._lock:
             for key, offsets in dropped.items():
                 state = self._partitions.get(key)
