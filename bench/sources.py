@@ -199,6 +199,9 @@ async def sample_activity(url: str, stop: asyncio.Event, every: float = 0.1) -> 
     counts: dict[str, list[int]] = {}
     last_queries: dict[str, int] = {}
     samples = 0
+    # (seconds into the sampling, sessions in a transaction) when over 20.
+    bursts: list[tuple[float, int]] = []
+    began = time.monotonic()
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         while not stop.is_set():
             cur = await conn.execute(
@@ -211,6 +214,9 @@ async def sample_activity(url: str, stop: asyncio.Event, every: float = 0.1) -> 
                 seen[name] = seen.get(name, 0) + 1
                 if state == "idle in transaction":
                     last_queries[last] = last_queries.get(last, 0) + 1
+            open_now = sum(n for name, n in seen.items() if "in transaction" in name)
+            if open_now > 20:
+                bursts.append((round(time.monotonic() - began, 2), open_now))
             for name in seen.keys() | counts.keys():
                 counts.setdefault(name, [0] * samples).append(seen.get(name, 0))
             samples += 1
@@ -223,6 +229,7 @@ async def sample_activity(url: str, stop: asyncio.Event, every: float = 0.1) -> 
             for name, n in sorted(counts.items())
         },
         "idle_in_transaction_after": dict(sorted(last_queries.items(), key=lambda kv: -kv[1])[:5]),
+        "over_20_in_transaction_at": bursts[:20],
     }
 
 
@@ -364,6 +371,12 @@ async def trickle(
             [(received[i] - t) * 1000 for i, t in committed.items() if i in received]
         ),
         "not_arrived_in_60s": len(committed.keys() - received.keys()),
+        # When (seconds into the trickle) rows took over 50 ms, the first 20.
+        "over_50ms_at": sorted(
+            round(t - start, 2)
+            for i, t in committed.items()
+            if i in received and received[i] - t > 0.05
+        )[:20],
         "cpu_pct": cpu,
         "rss_peak_mb": round(proc.rss.hwm_kb / 1024, 1),
         "activity": activity,

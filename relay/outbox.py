@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import Any
 
@@ -94,6 +95,10 @@ class OutboxRelay:
         self._need: dict[int, int | None] = {}
         self.stopping = asyncio.Event()
         self.last_progress = time.monotonic()
+        # When the last claim of every key's due rows began (a scout's that
+        # found no share held elsewhere): a poll sooner after it than the
+        # poll interval would find nothing it did not (wiring's poller).
+        self.swept_at = -float("inf")
         # topic -> (when it was last logged, unroutable rows since)
         self._unroutable: dict[str, tuple[float, int]] = {}
 
@@ -314,8 +319,11 @@ class OutboxRelay:
                 await self._until_unblocked()
                 continue
             try:
+                claimed_at = time.monotonic()
                 done, blocked = await self.publish_batch(worker, WORKERS, every_key=scout)
                 failures = 0
+                if scout:
+                    self.swept_at = claimed_at
             except ShareBusy:
                 # Another relay's worker held the share all the while: ask
                 # again, waiting in PostgreSQL's queue (unless stopping). A
@@ -358,7 +366,9 @@ class OutboxRelay:
             # committed since have notified (and set wakeup).
             self._idle.add(worker)
             try:
-                await sleep_unless(wakeup, self.poll_interval)
+                # A little less than the interval, at random: workers (and
+                # sources) started together do not poll in the same instant.
+                await sleep_unless(wakeup, self.poll_interval * random.uniform(0.8, 1.0))
             finally:
                 self._idle.discard(worker)
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import time
 from collections.abc import Callable
 
@@ -203,7 +204,12 @@ def outbox_service(
     elif not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
-    if poller:
+    if poller and listeners is not None:
+        polls = listeners
+        background["poller"] = lambda stop: polls.poll(
+            store, relay.wake, lambda: relay.swept_at, settings.poll_interval
+        )
+    elif poller:
         background["poller"] = lambda stop: _poll(relay, settings.poll_interval)
     return Service(
         name="outbox",
@@ -229,10 +235,18 @@ WORKER_POLL = 60.0
 
 
 async def _poll(relay: OutboxRelay, interval: float) -> None:
-    """Wake the relay every `interval` seconds, as a notification would."""
+    """Wake the relay as a notification would, once `interval` seconds have
+    passed without a claim of every key (relay.swept_at): a source whose rows
+    keep notifying it is never polled, and the first poll comes at a random
+    point of the interval, so a hundred sources started together do not all
+    claim in the same instant every second."""
+    await asyncio.sleep(random.uniform(0, interval))
     while True:
-        await asyncio.sleep(interval)
-        relay.wake()
+        wait = relay.swept_at + interval - time.monotonic()
+        if wait <= 0:
+            relay.wake()
+            wait = interval
+        await asyncio.sleep(wait)
 
 
 async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:

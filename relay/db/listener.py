@@ -1,5 +1,6 @@
 """LISTEN for the daemons' wake-ups, on a plain psycopg connection of its own
-(one per database in an outbox of several sources: SharedListeners)."""
+(one per database in an outbox of several sources: SharedListeners, which
+also polls each database once for all its sources)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import random
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -17,6 +21,7 @@ from psycopg import sql
 
 from relay.config import redact_url
 from relay.db import connect as pg
+from relay.db import namespace
 from relay.db.errors import describe, unavailable
 from relay.errors import DatabaseUnavailable
 
@@ -28,6 +33,9 @@ log = logging.getLogger("relay.store")
 
 # How long the listener's self-check waits for its own notification.
 SELF_CHECK_SECONDS = 5.0
+# A database's shared poll looks for sources to poll this many times per
+# --poll-interval, so a due row waits at most 1 + 1/POLL_TICKS intervals.
+POLL_TICKS = 4
 
 
 def _command(command: str, channel: str) -> str | sql.Composed:
@@ -274,6 +282,7 @@ class SharedListeners:
 
     def __init__(self) -> None:
         self.listeners: dict[str, tuple[Listener, asyncio.Task[None]]] = {}
+        self.polls: dict[str, tuple[_DatabasePoll, asyncio.Task[None]]] = {}
         self._context = contextvars.copy_context()
 
     async def serve(
@@ -300,9 +309,97 @@ class SharedListeners:
                 del self.listeners[url]
                 task.cancel()
 
+    async def poll(
+        self,
+        store: Store,
+        wake: Callable[[], None],
+        swept: Callable[[], float],
+        interval: float,
+    ) -> None:
+        """Until cancelled: `wake` when `store`'s outbox has due rows and
+        `swept()` (the monotonic time its relay last claimed every key) is
+        older than `interval`, found by its database's one poll a tick for
+        all its sources: a hundred sources cost one query a --poll-interval,
+        not a hundred claims (docs/multi-source.md)."""
+        url = store.conninfo
+        if url not in self.polls or self.polls[url][1].done():
+            database = _DatabasePoll(interval)
+            task = asyncio.get_running_loop().create_task(
+                database.run(), name="poll", context=self._context
+            )
+            self.polls[url] = (database, task)
+        database, task = self.polls[url]
+        polled = _Polled(store, wake, swept)
+        database.polled[id(polled)] = polled
+        try:
+            await asyncio.shield(task)
+        finally:
+            database.polled.pop(id(polled), None)
+            if not database.polled and self.polls.get(url, (None,))[0] is database:
+                del self.polls[url]
+                task.cancel()
+
     async def close(self) -> None:
-        tasks = [task for _, task in self.listeners.values()]
+        tasks = [task for _, task in [*self.listeners.values(), *self.polls.values()]]
         self.listeners.clear()
+        self.polls.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(eq=False)
+class _Polled:
+    """A source polled by its database's shared poll."""
+
+    store: Store
+    wake: Callable[[], None]
+    swept: Callable[[], float]
+    probed: float = -float("inf")
+
+
+class _DatabasePoll:
+    """Every --poll-interval, one query asks which of a database's sources
+    have due rows (a pending row whose available_at has come), and wakes
+    those; a source whose own claim of every key came within the interval
+    (`swept`: a notification woke it) is not asked about at all."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.polled: dict[int, _Polled] = {}
+
+    async def run(self) -> None:
+        # At a random point of the interval: databases started together do
+        # not poll in the same instant.
+        await asyncio.sleep(random.uniform(0, self.interval / POLL_TICKS))
+        while True:
+            now = time.monotonic()
+            stale = [
+                p for p in self.polled.values() if max(p.swept(), p.probed) + self.interval <= now
+            ]
+            if stale:
+                for polled in stale:
+                    polled.probed = now
+                for polled in await self._due(stale):
+                    polled.wake()
+            await asyncio.sleep(self.interval / POLL_TICKS)
+
+    @staticmethod
+    async def _due(stale: list[_Polled]) -> list[_Polled]:
+        """The sources of `stale` with due rows, asked in one query; every
+        one of them when the query fails (each then claims, and meets the
+        failure, on its own)."""
+        located = [namespace.qualified("outbox", p.store.located) for p in stale]
+        if None in (p.store.located for p in stale):
+            return stale  # a source not started yet: its own claim finds out
+        query = " UNION ALL ".join(
+            f"(SELECT {i} FROM {table} WHERE status = 'pending' AND available_at <= now() LIMIT 1)"
+            for i, table in enumerate(located)
+        )
+        try:
+            async with stale[0].store.connection() as conn:
+                found = await conn.exec_driver_sql(query)
+                return [stale[i] for (i,) in found.all()]
+        except Exception as exc:  # whatever it was, each source's own claim meets it
+            log.debug("the shared poll failed (%s); waking its sources", exc)
+            return stale

@@ -1,20 +1,25 @@
 """An outbox of several sources listens on one connection per database,
 shared by its schemas (relay.db.listener.SharedListeners): each source's
 notifications reach that source's relay, the connections stay one per
-database as sources come and go, and a killed one is made again; against
-the real PostgreSQL and RabbitMQ.
+database as sources come and go, and a killed one is made again; and it
+polls each database with one query for all its sources, waking only those
+with due rows; against the real PostgreSQL and RabbitMQ.
 
 Every daemon here polls every 30 s, so a row that goes out within 10 s of
 its commit went out on its own notification."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
+from relay.db import SharedListeners, Store
 from tests.conftest import _admin, free_port, wait_until
 from tests.ops.test_operations import scrape
 from tests.outbox.test_sources import insert, label, pending, tenant_databases
@@ -165,3 +170,100 @@ async def test_a_killed_listen_connection_is_made_again(databases, rabbit, start
     await each_source_wakes_alone(rabbit, port, sources)
     assert len(listening(url)) == 1
     assert relay.proc.poll() is None, relay.log
+
+
+def insert_later(url: str, schema: str, topic: str, seconds: float) -> None:
+    """A row that is due `seconds` from now: its commit notifies while it
+    is not due yet, and nothing notifies when it is."""
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(
+            f"INSERT INTO {schema}.outbox (topic, payload, available_at) "
+            "VALUES (%s, '{}', now() + make_interval(secs => %s))",
+            (topic, seconds),
+        )
+
+
+async def test_rows_that_become_due_unannounced_are_found_by_the_shared_poll(
+    databases, rabbit, start_relay
+):
+    # The workers' own polls come every 60 s under the shared one: a row
+    # published within a few seconds of becoming due was found by it.
+    port = free_port()
+    relay = start_relay(
+        "outbox",
+        "--exchange",
+        rabbit.exchange,
+        "--poll-interval",
+        "1",
+        "--http-port",
+        str(port),
+        *[arg for url in databases for arg in ("--database-url", url)],
+        *[arg for schema in SCHEMAS for arg in ("--schema", schema)],
+    )
+    wait_until(lambda: relay.log.count("outbox relay started") == 6, timeout=30)
+    queue = await rabbit.queue("#")
+    sources = [(url, schema) for url in databases for schema in SCHEMAS]
+    for url, schema in sources:
+        insert_later(url, schema, f"later.{label(url, schema)}", 2)
+    committed = time.monotonic()
+    got = await rabbit.drain(queue, len(sources), timeout=15)
+    took = time.monotonic() - committed
+    assert sorted(m.routing_key for m in got) == sorted(f"later.{label(u, s)}" for u, s in sources)
+    assert took < 2 + 5, took  # due after 2 s; the poll: 1.25 s at most, and the claim
+    assert all(pending(url, schema) == 0 for url, schema in sources)
+    await queue.delete(if_unused=False, if_empty=False)
+    assert relay.proc.poll() is None, relay.log
+
+
+async def test_one_poll_query_a_database_wakes_only_sources_with_due_rows(databases):
+    # SharedListeners.poll on real stores: three sources of one database,
+    # a due row in t2 alone, a row not due yet in t3. Each tick asks once
+    # (one connection of one store) for all three, and wakes t2 alone; a
+    # source that claimed every key within the interval is not asked about.
+    url = databases[0]
+    stores = {schema: Store(url, pool_size=1, schema=schema) for schema in SCHEMAS}
+    for store in stores.values():
+        await store.check_schema()
+    insert(url, "t2", "due")
+    insert_later(url, "t3", "later", 60)
+    woken: list[str] = []
+    asked: list[str] = []
+    swept = {schema: -float("inf") for schema in SCHEMAS}
+    for schema, store in stores.items():
+        connection = store.connection
+
+        @contextlib.asynccontextmanager
+        async def counted(schema=schema, connection=connection):
+            asked.append(schema)
+            async with connection() as conn:
+                yield conn
+
+        store.connection = counted  # type: ignore[method-assign]
+    listeners = SharedListeners()
+    polls = [
+        asyncio.create_task(
+            listeners.poll(store, lambda s=schema: woken.append(s), lambda s=schema: swept[s], 0.4)
+        )
+        for schema, store in stores.items()
+    ]
+    try:
+        await asyncio.sleep(1.0)  # two polls at least (0.4 s, ticks of 0.1 s)
+        assert set(woken) == {"t2"}
+        polls_made = len(asked)
+        assert 2 <= woken.count("t2") == polls_made <= 4, (woken, asked)
+        assert len(listeners.polls) == 1  # one database, one poll
+        # t2 claims every key now and then (a notification woke it): it is
+        # not asked about, nor woken, while its claims come within the interval.
+        woken.clear()
+        for _ in range(8):
+            swept["t2"] = time.monotonic()
+            await asyncio.sleep(0.1)
+        assert woken == []
+    finally:
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        await listeners.close()
+        for store in stores.values():
+            await store.close()
+    assert listeners.polls == {}
