@@ -33,7 +33,9 @@ Kafka, the rate over the first fifth and the last, and the CPU a message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import resource
+import statistics
 import time
 import uuid
 from typing import Any
@@ -47,11 +49,12 @@ from bench.common import (
     Resources,
     batch_times,
     free_port,
+    loadavg,
     payload,
     steady_rate,
 )
 from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
-from bench.where import ServerCpu, TreeCpu
+from bench.where import ServerCpu, TreeCpu, cpu_seconds
 from relay.outbox import WORKERS
 
 PARTITIONS = 6
@@ -174,14 +177,21 @@ class Spent:
 
 
 async def run_outbox(
-    res: Resources, url: str, broker: str, count: int, exchange: str = "relay"
+    res: Resources,
+    url: str,
+    broker: str,
+    count: int,
+    exchange: str = "relay",
+    extra: tuple[str, ...] = (),
 ) -> tuple[list[tuple[float, int]], Spent]:
-    """`relay outbox --once` over `count` fresh rows of 100 keys to `broker`:
-    its batches and what it spent."""
+    """`relay outbox --once` (with `extra` flags) over `count` fresh rows of
+    100 keys to `broker`: its batches and what it spent."""
     await create_effects(url)
     await preload_outbox(url, count)
     spent = Spent(url)
-    proc = res.relay("outbox-kafka", "outbox", "--once", *daemon_args(url, exchange, broker))
+    proc = res.relay(
+        "outbox-kafka", "outbox", "--once", *daemon_args(url, exchange, broker), *extra
+    )
     await proc.wait_log("outbox relay started", timeout=120)
     spent.started(proc)
     code = await proc.wait_exit(timeout=max(300.0, count / 300))
@@ -236,7 +246,9 @@ async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
     from tests.kafka_server import KafkaServer
 
     count = sz.multi
-    server = await asyncio.to_thread(KafkaServer, res.workdir / "tansu.log")
+    server = await asyncio.to_thread(
+        functools.partial(KafkaServer, res.workdir / "tansu.log", proxied=False)
+    )
     try:
         bootstrap = server.bootstrap
         admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -300,6 +312,22 @@ async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
         await asyncio.to_thread(server.close)
 
 
+async def measured_topic(res: Resources, log: str) -> tuple[Any, str]:
+    """Tansu, reached directly (no test proxy), with MEASURED_TOPIC of
+    PARTITIONS partitions; the server and relay's URL for it."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.kafka_server import KafkaServer
+
+    server = await asyncio.to_thread(
+        functools.partial(KafkaServer, res.workdir / log, proxied=False)
+    )
+    admin = AdminClient({"bootstrap.servers": server.bootstrap})
+    for future in admin.create_topics([NewTopic(MEASURED_TOPIC, PARTITIONS, 1)]).values():
+        future.result(30)
+    return server, f"kafka://{server.bootstrap}?{URL_PARAMS}"
+
+
 async def scenario_kafka_backlog(res: Resources, sz: Sizes, report: Report) -> None:
     """Issue 46's backlog: `relay outbox --once` over N pending rows to a
     Kafka topic of six partitions, then `relay inbox` (batch handler) over
@@ -307,18 +335,11 @@ async def scenario_kafka_backlog(res: Resources, sz: Sizes, report: Report) -> N
     RabbitMQ (on a PostgreSQL of its own with the default settings, as
     `backlog`: bench.run's OWN_SERVER; no VACUUM between): each one's
     rate over its first fifth and its last, and the CPU a message."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     from bench.backlog import _report_fifths, window_rate
-    from tests.kafka_server import KafkaServer
 
     count = sz.backlog
-    server = await asyncio.to_thread(KafkaServer, res.workdir / "tansu.log")
+    server, broker = await measured_topic(res, "tansu.log")
     try:
-        admin = AdminClient({"bootstrap.servers": server.bootstrap})
-        for future in admin.create_topics([NewTopic(MEASURED_TOPIC, PARTITIONS, 1)]).values():
-            future.result(30)
-        broker = f"kafka://{server.bootstrap}?{URL_PARAMS}"
         url = await res.database("kafka_backlog")
         points, spent = await run_outbox(res, url, broker, count)
         _report_fifths(report, "kafka_backlog", "outbox", points, count)
@@ -340,5 +361,54 @@ async def scenario_kafka_backlog(res: Resources, sz: Sizes, report: Report) -> N
             ],
         )
         await res.drop_database(url)
+    finally:
+        await asyncio.to_thread(server.close)
+
+
+async def scenario_kafka_cloudevents(res: Resources, sz: Sizes, report: Report) -> None:
+    """Issue 42's A/B on Kafka: `relay outbox --once` to Kafka without and
+    with --cloudevents-source (binary mode: six `ce_` headers a record),
+    interleaved (AB BA AB BA), each variant's median rate, their ratio and
+    relay's and PostgreSQL's CPU a message. On Kafka the broker is not the
+    bound (relay's own path is), so this is what CloudEvents costs relay."""
+    from bench.run import CLOUDEVENTS_SOURCE
+
+    count = sz.multi
+    rounds = 1 if count < 10_000 else 4
+    server, broker = await measured_topic(res, "tansu-ce.log")
+    try:
+        rates: dict[str, list[float]] = {"plain": [], "cloudevents": []}
+        cpu: dict[str, list[tuple[float, float, float]]] = {"plain": [], "cloudevents": []}
+        for round_ in range(rounds):
+            order = ["plain", "cloudevents"] if round_ % 2 == 0 else ["cloudevents", "plain"]
+            for variant in order:
+                extra = ("--cloudevents-source", CLOUDEVENTS_SOURCE) if variant != "plain" else ()
+                url = await res.database(f"kafka_ce_{variant}")
+                tansu = cpu_seconds(server.process.pid)
+                points, spent = await run_outbox(res, url, broker, count, extra=extra)
+                tansu = cpu_seconds(server.process.pid) - tansu
+                await res.drop_database(url)
+                rate = steady_rate(points)
+                if rate is None:
+                    raise BenchError("too few outbox batches for a steady rate: use more messages")
+                rates[variant].append(rate)
+                cpu[variant].append(
+                    (spent.relay / count * 1e6, spent.db / count * 1e6, tansu / count * 1e6)
+                )
+                report.add(
+                    "kafka_cloudevents", f"rate_{variant}_{round_}", rate, "msgs/s", load=loadavg()
+                )
+        plain, ce = (statistics.median(rates[v]) for v in ("plain", "cloudevents"))
+        report.add("kafka_cloudevents", "rate_plain", plain, "msgs/s", rounds=rounds)
+        report.add("kafka_cloudevents", "rate_cloudevents", ce, "msgs/s", rounds=rounds)
+        report.add("kafka_cloudevents", "ratio", ce / plain, "x", messages=count)
+        for variant, spent_list in cpu.items():
+            for i, who in enumerate(("relay", "pg", "tansu")):
+                report.add(
+                    "kafka_cloudevents",
+                    f"{who}_us_per_msg_{variant}",
+                    statistics.median(figures[i] for figures in spent_list),
+                    "us",
+                )
     finally:
         await asyncio.to_thread(server.close)

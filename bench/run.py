@@ -79,7 +79,7 @@ from bench.harness import (
     metrics,
     wait_metric,
 )
-from bench.kafka import scenario_kafka, scenario_kafka_backlog
+from bench.kafka import scenario_kafka, scenario_kafka_backlog, scenario_kafka_cloudevents
 from bench.naive import run_naive
 from bench.pgserver import own_postgres
 from bench.reference import (
@@ -631,11 +631,12 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "multi": scenario_multi,
     "kafka": scenario_kafka,
     "kafka_backlog": scenario_kafka_backlog,
+    "kafka_cloudevents": scenario_kafka_cloudevents,
     "cloudevents": scenario_cloudevents,
 }
 # Run only when named (--only): `kafka` starts a broker of its own (Tansu),
 # and the quick run of every scenario is near its time limit in the tests.
-OPT_IN = frozenset({"kafka", "kafka_backlog"})
+OPT_IN = frozenset({"kafka", "kafka_backlog", "kafka_cloudevents"})
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
 OWN_SERVER = frozenset({"backlog", "retention", "kafka_backlog"})
@@ -755,6 +756,13 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
     )
     check("21: inbox / outbox drain (wire)", g("wire", "inbox_over_drain"), ">=", 0.8, "x")
     check("42: drain with CloudEvents / without", g("cloudevents", "ratio"), ">=", 0.95, "x")
+    check(
+        "42: drain to Kafka with CloudEvents / without",
+        g("kafka_cloudevents", "ratio"),
+        ">=",
+        0.95,
+        "x",
+    )
     check(
         "21: SQS outbox / plain boto3 SendMessageBatch",
         g("sqs_ref", "outbox_over_plain"),

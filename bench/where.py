@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -234,7 +235,7 @@ async def main(args: argparse.Namespace) -> None:
                 "--http-port",
                 str(port),
             ]
-        argv = [*relay_command(), *argv_tail]
+        argv = [*relay_command(), *argv_tail, *args.relay_arg]
         if args.py_spy:
             out = Path(args.py_spy) / f"{args.daemon}.raw"
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -375,7 +376,9 @@ async def _kafka(res: Resources, count: int) -> tuple[Any, str]:
     from bench.kafka import PARTITIONS, URL_PARAMS, bare_produce
     from tests.kafka_server import KafkaServer
 
-    server = await asyncio.to_thread(KafkaServer, res.workdir / "tansu.log")
+    server = await asyncio.to_thread(
+        functools.partial(KafkaServer, res.workdir / "tansu.log", proxied=False)
+    )
     admin = AdminClient({"bootstrap.servers": server.bootstrap})
     for future in admin.create_topics([NewTopic(MEASURED_TOPIC, PARTITIONS, 1)]).values():
         future.result(30)
@@ -395,5 +398,11 @@ if __name__ == "__main__":
     )
     parser.add_argument("--broker", choices=("rabbitmq", "kafka"), default="rabbitmq")
     parser.add_argument("--py-spy", metavar="DIR", help="record the daemon with py-spy into DIR")
+    parser.add_argument(
+        "--relay-arg",
+        action="append",
+        default=[],
+        help="a flag for the daemon, e.g. --relay-arg=--cloudevents-source=URI (repeatable)",
+    )
     os.chdir(REPO)
     asyncio.run(main(parser.parse_args()))

