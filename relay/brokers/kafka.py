@@ -25,7 +25,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -126,11 +125,12 @@ MAX_HELD = 5000
 # partitions (a rebalance waits that long at most meanwhile).
 PAUSE_AFTER = 1.0
 # The lag metric is measured at most once in this many seconds; a scrape
-# sooner gets the last measure. Each measure asks the cluster for the group's
-# committed offsets and each partition's end, in the consume thread, which
-# consumes nothing meanwhile: scraped every 0.1 s (as the benchmark did), the
-# consume thread spent a quarter of its time measuring and the inbox from
-# Kafka ran at two thirds of its rate.
+# sooner gets the last measure. A measure asks the cluster for the group's
+# committed offsets and each partition's end, on a client of its own in a
+# worker thread: measured in the consume thread (confluent-kafka serializes
+# a consumer's calls), one committed() that waited on the group coordinator
+# held consumption for 2.4 s, and an inbox from Kafka scraped every 0.5 s
+# ran at two thirds of its rate.
 LAG_MAX_AGE = 1.0
 
 _UNREACHABLE = {
@@ -644,12 +644,13 @@ class KafkaConsumer:
         self._acked = threading.Condition(self._lock)
         # confluent-kafka serializes a consumer's calls: a commit from the
         # event loop waits for the consume thread's consume() to return. So
-        # every call after subscribe() is the consume thread's: a commit when
-        # asked for (ack), the lag when asked for (readings).
+        # every call after subscribe() is the consume thread's (a commit when
+        # asked for, by ack), and the lag is measured by a client of its own.
         self._commit_due = threading.Event()
-        self._lag_wanted: deque[Future[dict[tuple[str, int], int]]] = deque()
         self.lag: dict[tuple[str, int], int] = {}
         self._lag_at = -float("inf")  # when (monotonic) `lag` was measured
+        self._lag_client: RdConsumer | None = None
+        self._lag_lock = asyncio.Lock()
 
     @property
     def connected(self) -> bool:
@@ -708,6 +709,10 @@ class KafkaConsumer:
         self._buffer.clear()
         if consumer is not None:
             await asyncio.to_thread(self._close, consumer)
+        lag_client, self._lag_client = self._lag_client, None
+        if lag_client is not None:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                await asyncio.to_thread(lag_client.close)
 
     def _close(self, consumer: RdConsumer) -> None:
         with contextlib.suppress(KafkaException, RuntimeError):
@@ -798,10 +803,6 @@ class KafkaConsumer:
         paused = False
         over_since: float | None = None  # since when `max_held` are held, not paused
         while not self._stop.is_set():
-            while self._lag_wanted:
-                wanted = self._lag_wanted.popleft()
-                fresh = time.monotonic() - self._lag_at < LAG_MAX_AGE
-                wanted.set_result(self.lag if fresh else self.measure_lag(consumer))
             try:
                 if self._commit_due.is_set():
                     self._commit_due.clear()
@@ -949,12 +950,13 @@ class KafkaConsumer:
     # -- the lag metric ---------------------------------------------------------
 
     async def readings(self) -> list[Reading]:
-        lag = self.lag
         if self._thread is not None and self._thread.is_alive():
-            wanted: Future[dict[tuple[str, int], int]] = Future()
-            self._lag_wanted.append(wanted)
-            with contextlib.suppress(TimeoutError):
-                lag = await asyncio.wait_for(asyncio.wrap_future(wanted), 30)
+            async with self._lag_lock:
+                if time.monotonic() - self._lag_at >= LAG_MAX_AGE:
+                    with self._lock:
+                        assigned = list(self._partitions)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.to_thread(self._measure, assigned), 30)
         return [
             Reading(
                 "relay_inbox_kafka_lag",
@@ -962,21 +964,34 @@ class KafkaConsumer:
                 ("topic", "partition"),
                 tuple(
                     ((topic, str(partition)), float(n))
-                    for (topic, partition), n in sorted(lag.items())
+                    for (topic, partition), n in sorted(self.lag.items())
                 ),
             )
         ]
 
-    def measure_lag(self, consumer: RdConsumer) -> dict[tuple[str, int], int]:
-        """relay_inbox_kafka_lag: by (topic, partition) assigned here, the
-        records between the group's committed offset and the partition's end
-        (in the consume thread)."""
+    def _measure(self, assigned: list[tuple[str, int]]) -> None:
+        """Measure the lag on the lag client (made on first use), in a worker thread."""
+        if self._lag_client is None:
+            try:
+                self._lag_client = RdConsumer({**self.config, "logger": LIBRDKAFKA_LOG})
+            except KafkaException as exc:
+                log.debug("cannot measure the Kafka lag: %s", exc)
+                return
+        self.measure_lag(self._lag_client, assigned)
+
+    def measure_lag(
+        self, client: RdConsumer, assigned: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], int]:
+        """relay_inbox_kafka_lag: by (topic, partition) of `assigned` (the
+        partitions assigned here), the records between the group's committed
+        offset and the partition's end, asked of the cluster through `client`
+        (a consumer of the group that never subscribes)."""
         found: dict[tuple[str, int], int] = {}
         try:
-            assigned = consumer.assignment()
-            committed = consumer.committed(assigned, timeout=CONNECT_TIMEOUT) if assigned else []
+            partitions = [TopicPartition(topic, partition) for topic, partition in assigned]
+            committed = client.committed(partitions, timeout=CONNECT_TIMEOUT) if partitions else []
             for tp in committed:
-                low, high = consumer.get_watermark_offsets(
+                low, high = client.get_watermark_offsets(
                     TopicPartition(tp.topic, tp.partition), timeout=CONNECT_TIMEOUT, cached=False
                 )
                 start = tp.offset if tp.offset >= 0 else low
