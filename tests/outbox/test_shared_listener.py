@@ -267,3 +267,34 @@ async def test_one_poll_query_a_database_wakes_only_sources_with_due_rows(databa
         for store in stores.values():
             await store.close()
     assert listeners.polls == {}
+
+
+async def test_a_failing_shared_poll_wakes_every_source_it_asked_about(databases):
+    # One source's outbox gone (its schema dropped under the running relay):
+    # the one query fails, and every source it asked about is woken, to
+    # claim on its own and meet (or not) the failure there.
+    url = databases[1]
+    stores = {schema: Store(url, pool_size=1, schema=schema) for schema in SCHEMAS}
+    for store in stores.values():
+        await store.check_schema()
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("DROP SCHEMA t3 CASCADE")
+    woken: list[str] = []
+    listeners = SharedListeners()
+    polls = [
+        asyncio.create_task(
+            listeners.poll(store, lambda s=schema: woken.append(s), lambda: -float("inf"), 0.4)
+        )
+        for schema, store in stores.items()
+    ]
+    try:
+        await asyncio.sleep(0.6)
+        assert set(woken) == set(SCHEMAS), woken
+        assert all(task.done() is False for task in polls)  # the poll goes on
+    finally:
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        await listeners.close()
+        for store in stores.values():
+            await store.close()
