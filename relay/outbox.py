@@ -97,7 +97,8 @@ class OutboxRelay:
         self.last_progress = time.monotonic()
         # When the last claim of every key's due rows began (a scout's that
         # found no share held elsewhere): a poll sooner after it than the
-        # poll interval would find nothing it did not (wiring's poller).
+        # poll interval would find nothing it did not (the shared poll of an
+        # outbox of several sources, relay.db.listener.SharedListeners.poll).
         self.swept_at = -float("inf")
         # topic -> (when it was last logged, unroutable rows since)
         self._unroutable: dict[str, tuple[float, int]] = {}

@@ -249,7 +249,6 @@ class Sources:
             metrics=self.metrics.for_source(label),
             pool_size=SOURCE_POOL,
             stagger=True,
-            one_poll=True,
             listeners=self.listeners,
         )
         run = SourceRun(label, source, service, self.settings.shutdown_timeout)

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import random
 import time
 from collections.abc import Callable
 
@@ -124,16 +123,16 @@ def outbox_service(
     metrics: OutboxMetrics | None = None,
     pool_size: int = 2,
     stagger: bool = False,
-    one_poll: bool = False,
     listeners: SharedListeners | None = None,
 ) -> Service:
     """The outbox relay's parts for a lifecycle Daemon: the main loop, the
     listener, the scheduled jobs, probes and metrics (not running yet).
     `metrics`: one source's view of an outbox of several (relay.sources),
     which keeps fewer idle connections for its jobs (`pool_size`), spreads
-    their runs (`stagger`: relay.maintenance.run_scheduler) and polls once
-    per --poll-interval rather than once per worker (`one_poll`), and
-    listens through its database's shared listener (`listeners`)."""
+    their runs (`stagger`: relay.maintenance.run_scheduler), and listens
+    and is polled through its database's shared listener and poll
+    (`listeners`: one LISTEN connection and one poll query a database, not
+    one a source)."""
     broker = settings.broker
     assert broker is not None
     tracing.setup("relay-outbox")
@@ -141,17 +140,17 @@ def outbox_service(
     if metrics is None:
         metrics = OutboxMetrics()
     publisher = outbox_publisher(settings, metrics.claim_check_sent)
-    poller = one_poll and not once
-    # Each idle worker's own poll comes seldom under a poller, which wakes the
-    # relay every --poll-interval as a notification does, and one idle worker
-    # (a scout) claims the due rows of every key: one claim where the four
-    # workers made four, the same rows found as soon.
+    shared_poll = listeners is not None and not once
+    # Each idle worker's own poll comes seldom under the shared poll, which
+    # wakes the relay as a notification does when its database has due rows
+    # for it, and one idle worker (a scout) claims the due rows of every key:
+    # one claim where the four workers made four, the same rows found as soon.
     relay = outbox_relay(
         settings,
         store,
         publisher,
         metrics,
-        poll_interval=max(settings.poll_interval, WORKER_POLL) if poller else None,
+        poll_interval=max(settings.poll_interval, WORKER_POLL) if shared_poll else None,
     )
     metrics.broker_blocked.set_function(lambda: 0 if publisher.blocked is None else 1)
     probe_lock = asyncio.Lock()
@@ -204,13 +203,12 @@ def outbox_service(
     elif not once:
         listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
-    if poller and listeners is not None:
+    if shared_poll:
+        assert listeners is not None
         polls = listeners
         background["poller"] = lambda stop: polls.poll(
             store, relay.wake, lambda: relay.swept_at, settings.poll_interval
         )
-    elif poller:
-        background["poller"] = lambda stop: _poll(relay, settings.poll_interval)
     return Service(
         name="outbox",
         main=main,
@@ -230,23 +228,8 @@ def outbox_service(
     )
 
 
-# An idle worker's own poll under `one_poll` (outbox_service).
+# An idle worker's own poll under the shared poll (outbox_service).
 WORKER_POLL = 60.0
-
-
-async def _poll(relay: OutboxRelay, interval: float) -> None:
-    """Wake the relay as a notification would, once `interval` seconds have
-    passed without a claim of every key (relay.swept_at): a source whose rows
-    keep notifying it is never polled, and the first poll comes at a random
-    point of the interval, so a hundred sources started together do not all
-    claim in the same instant every second."""
-    await asyncio.sleep(random.uniform(0, interval))
-    while True:
-        wait = relay.swept_at + interval - time.monotonic()
-        if wait <= 0:
-            relay.wake()
-            wait = interval
-        await asyncio.sleep(wait)
 
 
 async def serve_outbox(settings: OutboxSettings, *, once: bool = False) -> int:
