@@ -48,7 +48,7 @@ from bench.common import (
     scalar,
     settle,
 )
-from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
+from bench.harness import Report, Sizes, create_effects, daemon_args, handle_all
 
 KEYS = 100
 REFERENCE = 20_000  # the inbox's reference run (issue 24)
@@ -220,18 +220,7 @@ async def run_inbox(
         *declared,
     )
     await proc.wait_log("inbox started", timeout=120)
-    await wait_metric(
-        proc,
-        port,
-        "relay_inbox_processed_total",
-        count,
-        timeout=max(300.0, count / 150),
-        interval=1.0 if count > 100_000 else 0.1,
-        fail_on="relay_inbox_failed_total",
-    )
-    code = await proc.stop()
-    if code != 0:
-        raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
+    await handle_all(proc, port, count)
     got = await scalar(url, "SELECT count(*) FROM bench_effects")
     if got != already + count:
         raise BenchError(f"handler rows: {got}, expected {already + count}")

@@ -175,6 +175,25 @@ async def wait_metric(
         await asyncio.sleep(interval)
 
 
+async def handle_all(proc: Proc, port: int, count: int) -> None:
+    """Wait until `relay inbox` (`proc`, its /metrics on `port`) has processed
+    `count` messages (none failed; scraped every second past 100,000, as a
+    backlog's drain takes minutes), then stop it: a BenchError unless it
+    exits 0 on SIGTERM."""
+    await wait_metric(
+        proc,
+        port,
+        "relay_inbox_processed_total",
+        count,
+        timeout=max(300.0, count / 150),
+        interval=1.0 if count > 100_000 else 0.1,
+        fail_on="relay_inbox_failed_total",
+    )
+    code = await proc.stop()
+    if code != 0:
+        raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
+
+
 def daemon_args(url: str, exchange: str, broker: str = AMQP_URL) -> list[str]:
     return ["--database-url", url, "--broker-url", broker, "--exchange", exchange]
 

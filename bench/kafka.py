@@ -53,7 +53,7 @@ from bench.common import (
     payload,
     steady_rate,
 )
-from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
+from bench.harness import Report, Sizes, create_effects, daemon_args, handle_all
 from bench.where import ServerCpu, TreeCpu, cpu_seconds
 from relay.outbox import WORKERS
 
@@ -224,18 +224,7 @@ async def run_inbox(
     )
     await inbox.wait_log("inbox started", timeout=120)
     spent.started(inbox)
-    await wait_metric(
-        inbox,
-        port,
-        "relay_inbox_processed_total",
-        count,
-        timeout=max(300.0, count / 150),
-        interval=1.0 if count > 100_000 else 0.1,
-        fail_on="relay_inbox_failed_total",
-    )
-    code = await inbox.stop()
-    if code != 0:
-        raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{inbox.tail()}")
+    await handle_all(inbox, port, count)
     await spent.finished()
     return await batch_times(url, "inbox"), spent
 
