@@ -971,24 +971,16 @@ class KafkaConsumer:
         ]
 
     def _measure(self, assigned: list[tuple[str, int]]) -> None:
-        """Measure the lag on the lag client (made on first use), in a worker thread."""
-        if self._lag_client is None:
-            try:
-                self._lag_client = RdConsumer({**self.config, "logger": LIBRDKAFKA_LOG})
-            except KafkaException as exc:
-                log.debug("cannot measure the Kafka lag: %s", exc)
-                return
-        self.measure_lag(self._lag_client, assigned)
-
-    def measure_lag(
-        self, client: RdConsumer, assigned: Sequence[tuple[str, int]]
-    ) -> dict[tuple[str, int], int]:
         """relay_inbox_kafka_lag: by (topic, partition) of `assigned` (the
         partitions assigned here), the records between the group's committed
-        offset and the partition's end, asked of the cluster through `client`
-        (a consumer of the group that never subscribes)."""
+        offset and the partition's end, asked of the cluster through the lag
+        client (a consumer of the group that never subscribes, made on first
+        use), in a worker thread. On a failure the last measure stands."""
         found: dict[tuple[str, int], int] = {}
         try:
+            if self._lag_client is None:
+                self._lag_client = RdConsumer({**self.config, "logger": LIBRDKAFKA_LOG})
+            client = self._lag_client
             partitions = [TopicPartition(topic, partition) for topic, partition in assigned]
             committed = client.committed(partitions, timeout=CONNECT_TIMEOUT) if partitions else []
             for tp in committed:
@@ -999,9 +991,8 @@ class KafkaConsumer:
                 found[(tp.topic, tp.partition)] = max(0, high - start)
         except (KafkaException, RuntimeError) as exc:
             log.debug("cannot measure the Kafka lag: %s", exc)
-            return self.lag
+            return
         self.lag, self._lag_at = found, time.monotonic()
-        return found
 
 
 # The factory's entry points (relay.brokers.KINDS).

@@ -389,12 +389,12 @@ class _DatabasePoll:
         """The sources of `stale` with due rows, asked in one query; every
         one of them when the query fails (each then claims, and meets the
         failure, on its own)."""
-        located = [namespace.qualified("outbox", p.store.located) for p in stale]
-        if None in (p.store.located for p in stale):
+        if any(p.store.located is None for p in stale):
             return stale  # a source not started yet: its own claim finds out
         query = " UNION ALL ".join(
-            f"(SELECT {i} FROM {table} WHERE status = 'pending' AND available_at <= now() LIMIT 1)"
-            for i, table in enumerate(located)
+            f"(SELECT {i} FROM {namespace.qualified('outbox', p.store.located)} "
+            "WHERE status = 'pending' AND available_at <= now() LIMIT 1)"
+            for i, p in enumerate(stale)
         )
         try:
             async with stale[0].store.connection() as conn:
