@@ -10,6 +10,8 @@ paths it does not go through their public API:
   lock, registers the batch in the channel's confirmation table, writes the
   batch to the connection's write queue as one buffer, and replaces the
   channel's confirm handler to settle a multiple-ack a range at a time.
+  Returned (unroutable) messages are taken from the connection's frames
+  (read_frames_with, below) and matched to their batch by relay.
 - Consuming: relay replaces the get_frame of the connection's FrameReceiver
   (found in aiormq's reader task) with a reader of its own that offers each
   frame to the consumer before pamqp decodes it, so that deliveries are
@@ -69,6 +71,7 @@ __all__ = [
     "Returning",
     "aiormq_channel",
     "check_versions",
+    "confirmations",
     "decode_header",
     "decode_method",
     "deliver_directly",
@@ -160,6 +163,11 @@ def message_tags(channel: aiormq.Channel) -> dict[str, int]:
     """The channel's message id -> delivery tag map, by which aiormq matches
     a returned message (basic.return) to its publish."""
     return channel.message_id_delivery_tag
+
+
+def confirmations(channel: aiormq.Channel) -> dict[int, object]:
+    """The channel's delivery tag -> what awaits its confirm."""
+    return cast(dict[int, object], channel.confirmations)
 
 
 def next_delivery_tag(channel: aiormq.Channel) -> int:

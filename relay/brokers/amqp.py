@@ -208,10 +208,13 @@ class _Confirms:
     (docs/performance.md). Here
     every tag of a batch maps to this one object instead, the publisher's
     channel settles acks a range at a time (_settle_confirms), and the batch
-    waits on one future. A returned message still goes through aiormq, which calls
+    waits on one future. A returned message (basic.return) is taken from the
+    connection's frames by _Returns, which notes its tag in `returned`, so
+    that the broker's ack that follows settles it here as returned. Where
+    relay cannot read the frames, a return goes through aiormq, which calls
     set_exception (or set_result) with it before the broker's ack, and puts
     a marker of its own (Returning) in the tag's place: the tag is noted in
-    `returned` so that its ack still settles it here, as returned."""
+    `returned` the same way."""
 
     __slots__ = ("first", "left", "outcomes", "returned", "settled", "tags")
 
@@ -261,7 +264,10 @@ def _settle_confirms(channel: aiormq.Channel, returned: dict[int, _Confirms]) ->
     def settle(tag: int, confirmation: Any, frame: ConfirmFrame) -> None:
         ack = isinstance(frame, spec.Basic.Ack)
         if isinstance(confirmation, _Confirms):
-            confirmation.settle(tag, None if ack else frame)
+            if returned and returned.pop(tag, None) is not None and ack:
+                confirmation.settle(tag, _RETURNED)
+            else:
+                confirmation.settle(tag, None if ack else frame)
         elif isinstance(confirmation, Returning):
             batch = returned.pop(tag, None)
             if batch is not None:
@@ -273,6 +279,54 @@ def _settle_confirms(channel: aiormq.Channel, returned: dict[int, _Confirms]) ->
                 confirmation.set_exception(aiormq.exceptions.DeliveryError(None, frame))
 
     aiormq_internals.settle_confirms_with(channel, settle)
+
+
+class _Returns:
+    """The returned messages (basic.return: mandatory, and routed to no
+    queue) of the publisher's channel, taken from the connection's frame
+    reader (aiormq_internals.read_frames_with): each is matched to its batch
+    by its message id, and its tag noted in `returned` before the broker's
+    ack for it is read, so that the ack settles it as returned
+    (_settle_confirms). aiormq would decode each return's properties and
+    headers with pamqp and aio-pika make an IncomingMessage of it: a third
+    of the relay's CPU in a drain to a topic nobody is bound to
+    (docs/performance.md). The channel's other frames go on to aiormq."""
+
+    __slots__ = ("confirmations", "left", "number", "returned", "returning", "tags")
+
+    def __init__(self, channel: aiormq.Channel, returned: dict[int, _Confirms]) -> None:
+        self.number = channel.number
+        self.tags = aiormq_internals.message_tags(channel)
+        self.confirmations = aiormq_internals.confirmations(channel)
+        self.returned = returned
+        self.returning = False  # a return's method frame came: its header is next
+        self.left = 0  # body bytes of the return still to come
+
+    def __call__(self, frame_type: int, channel: int, payload: bytes) -> bool:
+        if channel != self.number:
+            return False
+        if frame_type == 3 and self.left > 0:
+            self.left -= len(payload)
+            return True
+        if frame_type == 1 and payload[:4] == amqp_wire.BASIC_RETURN:
+            self.returning = True
+            return True
+        if frame_type == 2 and self.returning:
+            self.returning = False
+            try:
+                self.left, message_id = amqp_wire.decode_returned(payload)
+            except Exception:  # leave it to pamqp, leniently
+                header = aiormq_internals.decode_header(payload)
+                self.left, message_id = header.body_size or 0, header.properties.message_id
+            # Delivery tags start at 1: 0 is no publish's.
+            tag = self.tags.get(message_id, 0) if message_id is not None else 0
+            batch = self.confirmations.get(tag)
+            if isinstance(batch, _Confirms):
+                self.returned[tag] = batch
+            else:
+                log.error("a returned message matches no publish of the channel: %r", message_id)
+            return True
+        return False
 
 
 class AmqpPublisher(_Client):
@@ -358,6 +412,7 @@ class AmqpPublisher(_Client):
             self._max_content_size = aiormq_internals.max_content_size(self._channel)
             self._returned = {}
             _settle_confirms(self._channel, self._returned)
+            aiormq_internals.read_frames_with(connection, _Returns(self._channel, self._returned))
         except _CONNECTION_ERRORS as exc:
             await connection.close()
             raise _unavailable(exc, self.url) from exc

@@ -131,7 +131,9 @@ def publish_frames(
 # relay's lenient fallbacks, amqp_lenient), so both ways give the same values.
 
 BASIC_DELIVER = struct.pack(">HH", BASIC_CLASS, 60)
+BASIC_RETURN = struct.pack(">HH", BASIC_CLASS, 50)
 _u64_at = struct.Struct(">Q").unpack_from
+_u32_at = struct.Struct(">I").unpack_from
 _header_at = struct.Struct(">HHQH").unpack_from
 
 
@@ -165,6 +167,17 @@ _SKIPPED_AFTER_OCTETS = (1 << 10, 1 << 9, 1 << 8)  # correlation id, reply to, e
 _SKIPPED_LAST = (1 << 4, 1 << 3, 1 << 2)  # user id, app id, cluster id
 
 
+def _past_octets_to_message_id(payload: bytes, at: int, flags: int) -> int:
+    """Where the message id would start, from where the delivery mode would."""
+    for flag in _OCTETS:
+        if flags & flag:
+            at += 1
+    for flag in _SKIPPED_AFTER_OCTETS:
+        if flags & flag:
+            at += 1 + payload[at]
+    return at
+
+
 def decode_header(
     payload: bytes, field_table: Callable[[bytes], tuple[int, dict[str, Any]]]
 ) -> tuple[int, str | None, str | None, dict[str, Any], str | None]:
@@ -185,12 +198,7 @@ def decode_header(
     if flags & FLAG_HEADERS:
         used, headers = field_table(payload[at:])
         at += used
-    for flag in _OCTETS:
-        if flags & flag:
-            at += 1
-    for flag in _SKIPPED_AFTER_OCTETS:
-        if flags & flag:
-            at += 1 + payload[at]
+    at = _past_octets_to_message_id(payload, at, flags)
     message_id = type_ = None
     if flags & FLAG_MESSAGE_ID:
         message_id, at = _shortstr_at(payload, at)
@@ -204,3 +212,23 @@ def decode_header(
     if at != len(payload):
         raise Unusual("content header longer or shorter than its properties")
     return body_size, message_id, type_, headers, content_type
+
+
+def decode_returned(payload: bytes) -> tuple[int, str | None]:
+    """A returned message's content header payload -> (body size, message
+    id): the one property that matches a basic.return to its publish. The
+    headers table is skipped by its length, not decoded."""
+    class_id, _weight, body_size, flags = _header_at(payload, 0)
+    if class_id != BASIC_CLASS or flags & 1:
+        raise Unusual("not the Basic class, or more property flags than one word")
+    at = 14
+    for flag in (FLAG_CONTENT_TYPE, FLAG_CONTENT_ENCODING):
+        if flags & flag:
+            at += 1 + payload[at]
+    if flags & FLAG_HEADERS:
+        at += 4 + _u32_at(payload, at)[0]
+    at = _past_octets_to_message_id(payload, at, flags)
+    if not flags & FLAG_MESSAGE_ID:
+        return body_size, None
+    message_id, _ = _shortstr_at(payload, at)
+    return body_size, message_id

@@ -214,3 +214,77 @@ def test_common_deliveries_are_decoded_without_pamqp(properties):
         "relay",
         "orders.placed",
     )
+
+
+class _PublisherChannel:
+    """What _Returns reads of aiormq's channel: its number, its message id ->
+    delivery tag map and its confirmation table."""
+
+    number = 7
+
+    def __init__(self, tags: dict[str, int], confirmations: dict[int, object]) -> None:
+        self.message_id_delivery_tag = tags
+        self.confirmations = confirmations
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    properties=_properties,
+    body=st.binary(max_size=300),
+    chunk=st.integers(1, 200),
+    published=st.booleans(),
+)
+def test_returns_are_matched_to_their_publish_as_pamqp_decodes_them(
+    properties, body, chunk, published
+):
+    """Whatever a returned message's properties hold (relay's own publishes
+    carry the app's headers), the publisher's reader of basic.return finds
+    the message id pamqp (with relay's lenient fallbacks) finds, takes the
+    return's every frame and notes the tag of its publish, and only that."""
+    amqp_lenient.install()
+    if "headers" in properties:
+        properties["headers"] = {k: _field(v) for k, v in properties["headers"].items()}
+    header = amqp_raw.content_header(len(body), **properties)
+    expected = aiormq_internals.decode_header(header).properties.message_id
+    batch = amqp._Confirms(None, 41, {}, {})  # type: ignore[arg-type]
+    tags = {expected: 42} if published and expected is not None else {}
+    channel = _PublisherChannel(tags, {41: batch, 42: batch})
+    returned: dict[int, object] = {}
+    returns = amqp._Returns(channel, returned)  # type: ignore[arg-type]
+    method = (
+        amqp_wire.BASIC_RETURN
+        + struct.pack(">H", 312)
+        + amqp_raw.shortstr("NO_ROUTE")
+        + amqp_raw.shortstr("relay")
+        + amqp_raw.shortstr("nobody.listens")
+    )
+    assert not returns(1, 8, method)  # another channel's frames go on to aiormq
+    assert not returns(2, 7, header)  # a header not after a return: a delivery's
+    assert returns(1, 7, method)
+    assert returns(2, 7, header)
+    for start in range(0, len(body), chunk):
+        assert returns(3, 7, body[start : start + chunk])
+    assert not returns(3, 7, b"x")  # the return's body is over
+    assert returned == ({42: batch} if tags else {})
+
+
+def test_a_common_return_is_read_without_pamqp():
+    """Relay's own publishes come back as relay encoded them: the fast way."""
+    message_id = "0f7f6c3c-2d0e-4d7e-9a39-7d1c1c1c1c1c"
+    frames = publish_frames(
+        1,
+        shortstr("relay"),
+        "nobody.listens",
+        b'{"a":1}',
+        message_id=message_id,
+        type="T",
+        timestamp=datetime(2026, 11, 28, tzinfo=UTC),
+        headers={"traceparent": "00-abc-01", "x-relay-key": "k", "n": 5},
+        max_content_size=100,
+    )
+    # The frames: the publish method, the content header, the body.
+    (method_size,) = struct.unpack_from(">I", frames, 3)
+    at = 7 + method_size + 1
+    (header_size,) = struct.unpack_from(">I", frames, at + 3)
+    header = frames[at + 7 : at + 7 + header_size]
+    assert amqp_wire.decode_returned(header) == (7, message_id)

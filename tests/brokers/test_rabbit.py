@@ -184,16 +184,13 @@ async def test_unroutable_rows_are_published_counted_by_topic_and_logged_once_pe
     assert sum("'nobody.either'" in line for line in lines) == 1, daemon.log
 
 
-async def test_on_unroutable_fail_keeps_the_old_behaviour_a_failed_attempt(
-    engine, rabbit, run_relay
-):
-    with engine.begin() as conn:
-        relay.enqueue(conn, "nobody.listens", {})
+def run_once_failing_unroutable(run_relay, exchange):
+    """`relay outbox --once` with --on-unroutable fail, retries far off."""
     result = run_relay(
         "outbox",
         "--once",
         "--exchange",
-        rabbit.exchange,
+        exchange,
         "--backoff-min",
         "30",
         "--backoff-max",
@@ -201,9 +198,41 @@ async def test_on_unroutable_fail_keeps_the_old_behaviour_a_failed_attempt(
         env={"RELAY_ON_UNROUTABLE": "fail"},
     )
     assert result.returncode == 0, result.stderr
+
+
+async def test_on_unroutable_fail_keeps_the_old_behaviour_a_failed_attempt(
+    engine, rabbit, run_relay
+):
+    with engine.begin() as conn:
+        relay.enqueue(conn, "nobody.listens", {})
+    run_once_failing_unroutable(run_relay, rabbit.exchange)
     [(status, attempts, error)] = rows(engine, "SELECT status, attempts, last_error FROM outbox")
     assert (status, attempts) == ("pending", 1)
     assert "unroutable" in error and "'nobody.listens'" in error
+
+
+async def test_returns_in_a_mixed_batch_fail_only_their_own_rows(engine, rabbit, run_relay):
+    """Routed and unroutable rows interleaved in one batch, headers and
+    bodies of several frames among them: relay reads each basic.return
+    itself (amqp._Returns) and matches it to its publish, so exactly the
+    unroutable rows fail and every routed one is published and delivered."""
+    queue = await rabbit.queue("bound")
+    big = {"blob": "x" * 300_000}  # over the connection's frame size: several body frames
+    with engine.begin() as conn:
+        routed, returned = [], []
+        for n in range(12):
+            payload = big if n % 4 == 0 else {"n": n}
+            headers = {"traceparent": f"00-{n:032x}-{n:016x}-01", "h": "v" * n}
+            if n % 3 == 0:
+                returned.append(relay.enqueue(conn, "nobody.listens", payload, headers=headers))
+            else:
+                routed.append(relay.enqueue(conn, "bound", payload, key=f"k{n}", headers=headers))
+    run_once_failing_unroutable(run_relay, rabbit.exchange)
+    found = dict(rows(engine, "SELECT id, status || ':' || attempts FROM outbox"))
+    assert {found[i] for i in routed} == {"published:0"}
+    assert {found[i] for i in returned} == {"pending:1"}
+    delivered = await rabbit.drain(queue, len(routed))
+    assert sorted(m.message_id for m in delivered) == sorted(map(str, routed))
 
 
 def test_a_bad_on_unroutable_exits_2_with_one_line(run_relay):
