@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import resource
 import statistics
 import time
@@ -48,6 +49,7 @@ from bench.common import (
     Proc,
     Resources,
     batch_times,
+    connect,
     free_port,
     loadavg,
     payload,
@@ -135,17 +137,31 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# What the server did besides the daemon's work (Spent).
+SERVER_WORK = """
+SELECT extract(epoch FROM clock_timestamp())::float8,
+       (SELECT count(*) FROM pg_stat_activity
+        WHERE backend_type = 'autovacuum worker' AND datname = current_database()),
+       (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter)
+"""
+
+
 class Spent:
     """The CPU one daemon's run cost from its "started" line to its exit:
     relay's (its processes, from getrusage of the finished children less what
     they had spent by that line) and its database's (the backends of its
     database, sampled from /proc every 0.2 s: a backend's last fifth of a second
-    before it exits can be missed)."""
+    before it exits can be missed). Sampled with it, on the server's clock:
+    whether an autovacuum worker ran on the database, and the checkpoints
+    begun (what else the server did while the rate was measured)."""
 
     def __init__(self, url: str) -> None:
+        self.url = url
         self.before = children_cpu()
         self.pg = ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " ")
         self.relay = self.db = 0.0
+        # (server time, autovacuum workers on the database, checkpoints so far)
+        self.server: list[tuple[float, int, int]] = []
         self._at_start = 0.0
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -158,9 +174,33 @@ class Spent:
         self._task = asyncio.create_task(self._sample())
 
     async def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.pg.sample()
-            await asyncio.sleep(0.2)
+        async with await connect(self.url, autocommit=True) as conn:
+            while not self._stop.is_set():
+                self.pg.sample()
+                cur = await conn.execute(SERVER_WORK)
+                row = await cur.fetchone()
+                assert row is not None
+                self.server.append((float(row[0]), int(row[1]), int(row[2])))
+                await asyncio.sleep(0.2)
+
+    def server_work(self, points: list[tuple[float, int]]) -> dict[str, list[float]]:
+        """Per fifth of the rows (as bench.backlog.window_rate cuts them):
+        seconds with an autovacuum worker on the database, checkpoints begun."""
+        total = sum(n for _, n in points)
+        starts: list[float] = []
+        done = 0
+        for t, n in points:
+            while len(starts) < 5 and done >= len(starts) / 5 * total:
+                starts.append(t)
+            done += n
+        bounds = [*starts, points[-1][0] if points else 0.0]
+        vacuum, checkpoints = [0.0] * 5, [0.0] * 5
+        for (t0, workers, begun), (t1, _, after) in itertools.pairwise(self.server):
+            for fifth in range(len(bounds) - 1):
+                if bounds[fifth] <= t0 < bounds[fifth + 1]:
+                    vacuum[fifth] += (t1 - t0) if workers else 0.0
+                    checkpoints[fifth] += after - begun
+        return {"autovacuum_s": [round(v, 1) for v in vacuum], "checkpoints": checkpoints}
 
     async def finished(self) -> None:
         """After the daemon exited (and was waited for)."""
@@ -331,10 +371,12 @@ async def scenario_kafka_backlog(res: Resources, sz: Sizes, report: Report) -> N
     try:
         url = await res.database("kafka_backlog")
         points, spent = await run_outbox(res, url, broker, count)
-        _report_fifths(report, "kafka_backlog", "outbox", points, count)
+        work = spent.server_work(points)
+        _report_fifths(report, "kafka_backlog", "outbox", points, count, **work)
         spent.report(report, "kafka_backlog", "outbox", count)
         points, spent = await run_inbox(res, url, broker, MEASURED_TOPIC, count)
-        _report_fifths(report, "kafka_backlog", "inbox", points, count)
+        work = spent.server_work(points)
+        _report_fifths(report, "kafka_backlog", "inbox", points, count, **work)
         spent.report(report, "kafka_backlog", "inbox", count)
         # The receiver's storing rate per fifth (as `backlog`'s): tells a
         # slower handling from a receiver (or broker) that fell behind.

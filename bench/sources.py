@@ -27,6 +27,7 @@ Issue 45's scenario (99 keyed trickles of 2 rows a second beside a
 100,000-row backlog, 100 sources)::
 
     python -m bench.sources --issue45
+    python -m bench.sources --issue45 --backlog-apart   # the backlog's source in a relay of its own
 """
 
 from __future__ import annotations
@@ -204,15 +205,18 @@ async def sample_activity(url: str, stop: asyncio.Event, every: float = 0.1) -> 
     began = time.monotonic()
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         while not stop.is_set():
+            # Counted by the server: hundreds of sessions, a few rows back
+            # (the sampling's own cost is the machine's, beside the relay's).
             cur = await conn.execute(
-                "SELECT state, coalesce(wait_event_type || ':' || wait_event, ''), "
-                "left(query, 60) FROM pg_stat_activity WHERE application_name = 'relay'"
+                "SELECT state, coalesce(wait_event_type || ':' || wait_event, ''), count(*), "
+                "array_agg(left(query, 60)) FILTER (WHERE state = 'idle in transaction') "
+                "FROM pg_stat_activity WHERE application_name = 'relay' GROUP BY 1, 2"
             )
             seen: dict[str, int] = {}
-            for state, wait, last in await cur.fetchall():
+            for state, wait, n, lasts in await cur.fetchall():
                 name = f"{state} {wait}".strip()
-                seen[name] = seen.get(name, 0) + 1
-                if state == "idle in transaction":
+                seen[name] = seen.get(name, 0) + n
+                for last in lasts or ():
                     last_queries[last] = last_queries.get(last, 0) + 1
             open_now = sum(n for name, n in seen.items() if "in transaction" in name)
             if open_now > 20:
@@ -270,10 +274,13 @@ async def trickle(
     *,
     keyed: bool = False,
     backlog_after: float | None = None,
+    apart: bool = False,
 ) -> dict[str, Any]:
     """Commit-to-receipt latency of `count` trickling sources, beside a backlog
     (committed before the relay starts, or `backlog_after` seconds into the
-    trickle), and the CPU of the relay and of PostgreSQL meanwhile."""
+    trickle), and the CPU of the relay and of PostgreSQL meanwhile. `apart`:
+    the backlog's source in a `relay outbox` of its own (what sources spread
+    over processes could at best give; the relay CPU is then the trickles')."""
     url = f"{server.url}/postgres"
     schemas = [f"tr_{i}" for i in range(count)]
     busy = "tr_backlog"
@@ -293,7 +300,11 @@ async def trickle(
 
     await queue.consume(on_message)
     port = free_port()
-    proc = await start_outbox(url, [*schemas, busy], exchange, logs, port, poll)
+    if apart:
+        proc = await start_outbox(url, schemas, exchange, logs, free_port(), poll)
+        backlog_proc = await start_outbox(url, [busy], exchange, logs, port, poll)
+    else:
+        proc = backlog_proc = await start_outbox(url, [*schemas, busy], exchange, logs, port, poll)
     committed: dict[str, float] = {}
     backlog_task: asyncio.Task[None] | None = None
     wall = time.time() - time.monotonic()  # monotonic + wall: the epoch
@@ -357,8 +368,11 @@ async def trickle(
         published = samples.get(f'relay_outbox_published_total{{source="postgres/{busy}"}}', 0.0)
     finally:
         await proc.stop()
+        if backlog_proc is not proc:
+            await backlog_proc.stop()
         await broker.close()
     figure: dict[str, Any] = {
+        "backlog_apart": apart,
         "sources": count + 1 if backlog else count,
         "trickling": count,
         "keyed": keyed,
@@ -451,6 +465,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.settle,
                 keyed=args.keyed,
                 backlog_after=args.backlog_after,
+                apart=args.backlog_apart,
             )
             if args.drain_alone and args.backlog:
                 # The same rows drained by a relay of that source alone: as
@@ -514,6 +529,11 @@ def main() -> None:
         "--drain-alone",
         action="store_true",
         help="then drain --backlog rows by a relay of that source alone",
+    )
+    parser.add_argument(
+        "--backlog-apart",
+        action="store_true",
+        help="the backlog's source in a relay of its own, beside the trickles' relay",
     )
     parser.add_argument(
         "--issue45",
