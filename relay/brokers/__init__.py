@@ -244,6 +244,23 @@ def check_topic(row: OutboxRow) -> None:
         raise BadMessage("topic is empty")
 
 
+@dataclass(frozen=True, slots=True)
+class ConsumerOptions:
+    """What `relay inbox` asks of a consumer, whatever the broker; each
+    adapter reads the options its broker has (SQS and Kafka: no exchange,
+    no bindings, no queue type)."""
+
+    queue: str  # RabbitMQ's queue, SQS's queue name, Kafka's TOPIC[,TOPIC…]
+    exchange: str
+    binds: Sequence[str]
+    prefetch: int
+    queue_type: str | None = None
+    queue_args: Sequence[tuple[str, str | int]] = ()
+    consumer_name: str = ""  # Kafka's consumer group
+    # About the most bytes of bodies received and not yet acknowledged.
+    max_bytes: int | None = None
+
+
 class Adapter(Protocol):
     """What an adapter module (relay/brokers/<kind>.py) offers the factory."""
 
@@ -251,19 +268,7 @@ class Adapter(Protocol):
         self, broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str
     ) -> Publisher: ...
 
-    def consumer(
-        self,
-        broker: BrokerURL,
-        *,
-        queue: str,
-        exchange: str,
-        binds: Sequence[str],
-        prefetch: int,
-        queue_type: str | None,
-        queue_args: Sequence[tuple[str, str | int]],
-        consumer_name: str,
-        max_bytes: int | None,
-    ) -> Consumer: ...
+    def consumer(self, broker: BrokerURL, options: ConsumerOptions) -> Consumer: ...
 
 
 @dataclass(frozen=True)
@@ -325,12 +330,14 @@ def make_consumer(
     Kafka's is bounded by librdkafka's own queue, not by `max_bytes`)."""
     return _adapter(broker).consumer(
         broker,
-        queue=queue,
-        exchange=exchange,
-        binds=binds,
-        prefetch=prefetch,
-        queue_type=queue_type,
-        queue_args=queue_args,
-        consumer_name=consumer_name,
-        max_bytes=max_bytes,
+        ConsumerOptions(
+            queue=queue,
+            exchange=exchange,
+            binds=binds,
+            prefetch=prefetch,
+            queue_type=queue_type,
+            queue_args=queue_args,
+            consumer_name=consumer_name,
+            max_bytes=max_bytes,
+        ),
     )

@@ -31,6 +31,7 @@ from pamqp.decode import field_table as _field_table
 from pamqp.header import ContentHeader
 
 from relay.brokers import (
+    ConsumerOptions,
     Incoming,
     Outcome,
     PublishResult,
@@ -969,25 +970,14 @@ def publisher(
     return AmqpPublisher(broker.nodes or broker.url, exchange=exchange, on_unroutable=on_unroutable)
 
 
-def consumer(
-    broker: BrokerURL,
-    *,
-    queue: str,
-    exchange: str,
-    binds: Sequence[str],
-    prefetch: int,
-    queue_type: str | None,
-    queue_args: Sequence[tuple[str, str | int]],
-    consumer_name: str,
-    max_bytes: int | None = None,
-) -> AmqpConsumer:
+def consumer(broker: BrokerURL, options: ConsumerOptions) -> AmqpConsumer:
     return AmqpConsumer(
         broker.nodes or broker.url,
-        queue=queue,
-        exchange=exchange,
-        binds=binds,
-        prefetch=prefetch,
-        queue_type=queue_type,
-        queue_args=queue_args,
-        max_bytes=max_bytes,
+        queue=options.queue,
+        exchange=options.exchange,
+        binds=options.binds,
+        prefetch=options.prefetch,
+        queue_type=options.queue_type,
+        queue_args=options.queue_args,
+        max_bytes=options.max_bytes,
     )

@@ -32,6 +32,7 @@ from confluent_kafka import Consumer as RdConsumer
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from relay.brokers import (
+    ConsumerOptions,
     Incoming,
     Outcome,
     PublishResult,
@@ -1002,19 +1003,13 @@ def publisher(
     return KafkaPublisher(broker)
 
 
-def consumer(
-    broker: BrokerURL,
-    *,
-    queue: str,
-    exchange: str,
-    binds: Sequence[str],
-    prefetch: int,
-    queue_type: str | None,
-    queue_args: Sequence[tuple[str, str | int]],
-    consumer_name: str,
-    max_bytes: int | None = None,
-) -> KafkaConsumer:
+def consumer(broker: BrokerURL, options: ConsumerOptions) -> KafkaConsumer:
     """`max_bytes` unused: the consumer holds at most max(MAX_HELD, prefetch)
     records, and librdkafka's queue its queued.max.messages.kbytes; no bound
     by --batch-bytes (docs/kafka.md)."""
-    return KafkaConsumer(broker, topics=queue.split(","), group=consumer_name, prefetch=prefetch)
+    return KafkaConsumer(
+        broker,
+        topics=options.queue.split(","),
+        group=options.consumer_name,
+        prefetch=options.prefetch,
+    )

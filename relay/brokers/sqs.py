@@ -34,6 +34,7 @@ import orjson
 from botocore.config import Config
 
 from relay.brokers import (
+    ConsumerOptions,
     Incoming,
     Outcome,
     PublishResult,
@@ -858,18 +859,7 @@ def publisher(
     return SqsPublisher(broker, workers=workers)
 
 
-def consumer(
-    broker: BrokerURL,
-    *,
-    queue: str,
-    exchange: str,
-    binds: Sequence[str],
-    prefetch: int,
-    queue_type: str | None,
-    queue_args: Sequence[tuple[str, str | int]],
-    consumer_name: str,
-    max_bytes: int | None = None,
-) -> SqsConsumer:
-    """`max_bytes` unused: the consumer holds at most MAX_HELD messages, of
-    SQS's 1 MiB at most each."""
-    return SqsConsumer(broker, queue=queue)
+def consumer(broker: BrokerURL, options: ConsumerOptions) -> SqsConsumer:
+    """Only the queue is read: the consumer holds at most MAX_HELD messages,
+    of SQS's 1 MiB at most each (no bound by `max_bytes`)."""
+    return SqsConsumer(broker, queue=options.queue)
