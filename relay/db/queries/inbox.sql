@@ -22,7 +22,13 @@ RETURNING message_id
 
 -- name: inbox_claim
 -- The inbox twin of the outbox claim (see outbox_claim), per consumer,
--- bounded by :budget bytes in the same way.
+-- bounded by :budget bytes in the same way. A row is not claimed behind an
+-- earlier row of its key that failed (attempts > 0: retried after a backoff,
+-- or due again and to run first, alone), found in inbox_retrying_key, which
+-- holds only such rows (relay delays an inbox row only when it fails). A
+-- claimed row is `blocked` behind an earlier unfinished row of its key that
+-- this claim did not lock (another dispatcher's): found once a key, by the
+-- first such row (`held`), not by a walk of the key's rows for every row.
 WITH low AS MATERIALIZED (
     SELECT coalesce(min(seq), 0) AS seq FROM inbox
     WHERE consumer = :consumer AND status = 'pending'
@@ -38,14 +44,20 @@ WITH low AS MATERIALIZED (
       AND (i.key IS NULL OR (
           NOT EXISTS (
               SELECT 1 FROM inbox e
-              WHERE e.consumer = i.consumer AND e.key = i.key
-                AND e.seq >= (SELECT seq FROM low) AND e.seq < i.seq
-                AND e.status <> 'processed' AND e.status <> 'dead'
-                AND (e.available_at > now() OR e.attempts > 0))
+              WHERE e.consumer = i.consumer AND e.key = i.key AND e.seq < i.seq
+                AND e.status = 'pending' AND e.attempts > 0)
           {dead}))
     ORDER BY i.seq
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
+), held AS MATERIALIZED (  -- once, whatever plan the joins get
+    SELECT k.key, (
+        SELECT min(e.seq) FROM inbox e
+        WHERE e.consumer = :consumer AND e.key = k.key
+          AND e.seq >= (SELECT seq FROM low) AND e.seq < k.last
+          AND e.status <> 'processed' AND e.status <> 'dead'
+          AND e.message_id NOT IN (SELECT message_id FROM locked)) AS seq
+    FROM (SELECT key, max(seq) AS last FROM locked WHERE key IS NOT NULL GROUP BY key) k
 ), stored AS (
     -- A body that is not JSON has no payload (0 here): its bytes are read
     -- only for a retried row's handler, one row at a time (inbox_body).
@@ -63,13 +75,8 @@ SELECT l.message_id, l.seq, l.topic, l.key, l.type,
             THEN l.payload::text END AS payload,
        l.headers::text AS headers, l.attempts, l.size,
        l.upto <= :budget OR (l.nth = 1 AND CAST(:alone AS int) = 1) AS fits,
-       l.key IS NOT NULL AND EXISTS (
-           SELECT 1 FROM inbox e
-           WHERE e.consumer = :consumer AND e.key = l.key
-             AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
-             AND e.status <> 'processed' AND e.status <> 'dead'
-             AND e.message_id NOT IN (SELECT message_id FROM locked)) AS blocked
-FROM sized l
+       coalesce(h.seq < l.seq, false) AS blocked
+FROM sized l LEFT JOIN held h ON h.key = l.key
 -- The rows that fit, and the first that does not (the one before it fits).
 WHERE l.nth = 1 OR l.upto - l.size <= :budget OR (l.nth = 2 AND CAST(:alone AS int) = 1)
 ORDER BY l.seq
