@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -30,6 +30,16 @@ if TYPE_CHECKING:
 
 # The name it always logged under (relay.store, before relay.db).
 log = logging.getLogger("relay.store")
+
+
+class _Runs(Protocol):
+    """What SharedListeners runs once per database."""
+
+    async def run(self) -> None: ...
+
+
+# A database's shared part: its Listener or its _DatabasePoll.
+_Part = TypeVar("_Part", bound=_Runs)
 
 # How long the listener's self-check waits for its own notification.
 SELF_CHECK_SECONDS = 5.0
@@ -291,13 +301,7 @@ class SharedListeners:
         """Until cancelled: `wake` on each notification on `base` in
         `store`'s schema, through the listener of its database."""
         url = conninfo(store, listen_url)
-        if url not in self.listeners or self.listeners[url][1].done():
-            listener = Listener(url)
-            task = asyncio.get_running_loop().create_task(
-                listener.run(), name="listener", context=self._context
-            )
-            self.listeners[url] = (listener, task)
-        listener, task = self.listeners[url]
+        listener, task = self._running(self.listeners, url, lambda: Listener(url), "listener")
         key = listener.subscribe(subscription(store, base, wake))
         try:
             # Runs until cancelled; re-raises a bug's exception. Shielded:
@@ -305,9 +309,7 @@ class SharedListeners:
             await asyncio.shield(task)
         finally:
             listener.unsubscribe(key)
-            if not listener.subscribed and self.listeners.get(url, (None,))[0] is listener:
-                del self.listeners[url]
-                task.cancel()
+            self._end_unused(self.listeners, url, listener, task, not listener.subscribed)
 
     async def poll(
         self,
@@ -322,22 +324,44 @@ class SharedListeners:
         all its sources: a hundred sources cost one query a --poll-interval,
         not a hundred claims (docs/multi-source.md)."""
         url = store.conninfo
-        if url not in self.polls or self.polls[url][1].done():
-            database = _DatabasePoll(interval)
-            task = asyncio.get_running_loop().create_task(
-                database.run(), name="poll", context=self._context
-            )
-            self.polls[url] = (database, task)
-        database, task = self.polls[url]
+        database, task = self._running(self.polls, url, lambda: _DatabasePoll(interval), "poll")
         polled = _Polled(store, wake, swept)
         database.polled[id(polled)] = polled
         try:
             await asyncio.shield(task)
         finally:
             database.polled.pop(id(polled), None)
-            if not database.polled and self.polls.get(url, (None,))[0] is database:
-                del self.polls[url]
-                task.cancel()
+            self._end_unused(self.polls, url, database, task, not database.polled)
+
+    def _running(
+        self,
+        parts: dict[str, tuple[_Part, asyncio.Task[None]]],
+        url: str,
+        make: Callable[[], _Part],
+        name: str,
+    ) -> tuple[_Part, asyncio.Task[None]]:
+        """`url`'s part in `parts` and the task running it (its run()),
+        started in this object's context if there is none or it ended."""
+        if url not in parts or parts[url][1].done():
+            part = make()
+            task = asyncio.get_running_loop().create_task(
+                part.run(), name=name, context=self._context
+            )
+            parts[url] = (part, task)
+        return parts[url]
+
+    @staticmethod
+    def _end_unused(
+        parts: dict[str, tuple[_Part, asyncio.Task[None]]],
+        url: str,
+        part: _Part,
+        task: asyncio.Task[None],
+        unused: bool,
+    ) -> None:
+        """Stop `url`'s part once its last user left (unless another replaced it)."""
+        if unused and parts.get(url, (None,))[0] is part:
+            del parts[url]
+            task.cancel()
 
     async def close(self) -> None:
         tasks = [task for _, task in [*self.listeners.values(), *self.polls.values()]]
