@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import psycopg
 import pytest
@@ -215,15 +215,46 @@ async def test_rows_that_become_due_unannounced_are_found_by_the_shared_poll(
     assert relay.proc.poll() is None, relay.log
 
 
+async def ready_stores(url: str) -> dict[str, Store]:
+    """A store of each of SCHEMAS in the database at `url`, its schema located."""
+    stores = {schema: Store(url, pool_size=1, schema=schema) for schema in SCHEMAS}
+    for store in stores.values():
+        await store.check_schema()
+    return stores
+
+
+@contextlib.asynccontextmanager
+async def polled(
+    stores: dict[str, Store], woken: list[str], swept: Callable[[str], float]
+) -> AsyncIterator[tuple[SharedListeners, list[asyncio.Task[None]]]]:
+    """Each store polled through one SharedListeners (every 0.4 s), its
+    schema appended to `woken` when woken; then every poll stopped, the
+    listeners and the stores closed."""
+    listeners = SharedListeners()
+    polls = [
+        asyncio.create_task(
+            listeners.poll(store, lambda s=schema: woken.append(s), lambda s=schema: swept(s), 0.4)
+        )
+        for schema, store in stores.items()
+    ]
+    try:
+        yield listeners, polls
+    finally:
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        await listeners.close()
+        for store in stores.values():
+            await store.close()
+
+
 async def test_one_poll_query_a_database_wakes_only_sources_with_due_rows(databases):
     # SharedListeners.poll on real stores: three sources of one database,
     # a due row in t2 alone, a row not due yet in t3. Each tick asks once
     # (one connection of one store) for all three, and wakes t2 alone; a
     # source that claimed every key within the interval is not asked about.
     url = databases[0]
-    stores = {schema: Store(url, pool_size=1, schema=schema) for schema in SCHEMAS}
-    for store in stores.values():
-        await store.check_schema()
+    stores = await ready_stores(url)
     insert(url, "t2", "due")
     insert_later(url, "t3", "later", 60)
     woken: list[str] = []
@@ -239,14 +270,7 @@ async def test_one_poll_query_a_database_wakes_only_sources_with_due_rows(databa
                 yield conn
 
         store.connection = counted  # type: ignore[method-assign]
-    listeners = SharedListeners()
-    polls = [
-        asyncio.create_task(
-            listeners.poll(store, lambda s=schema: woken.append(s), lambda s=schema: swept[s], 0.4)
-        )
-        for schema, store in stores.items()
-    ]
-    try:
+    async with polled(stores, woken, swept.__getitem__) as (listeners, _):
         await asyncio.sleep(1.0)  # two polls at least (0.4 s, ticks of 0.1 s)
         assert set(woken) == {"t2"}
         polls_made = len(asked)
@@ -259,13 +283,6 @@ async def test_one_poll_query_a_database_wakes_only_sources_with_due_rows(databa
             swept["t2"] = time.monotonic()
             await asyncio.sleep(0.1)
         assert woken == []
-    finally:
-        for task in polls:
-            task.cancel()
-        await asyncio.gather(*polls, return_exceptions=True)
-        await listeners.close()
-        for store in stores.values():
-            await store.close()
     assert listeners.polls == {}
 
 
@@ -274,27 +291,11 @@ async def test_a_failing_shared_poll_wakes_every_source_it_asked_about(databases
     # the one query fails, and every source it asked about is woken, to
     # claim on its own and meet (or not) the failure there.
     url = databases[1]
-    stores = {schema: Store(url, pool_size=1, schema=schema) for schema in SCHEMAS}
-    for store in stores.values():
-        await store.check_schema()
+    stores = await ready_stores(url)
     with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as conn:
         conn.execute("DROP SCHEMA t3 CASCADE")
     woken: list[str] = []
-    listeners = SharedListeners()
-    polls = [
-        asyncio.create_task(
-            listeners.poll(store, lambda s=schema: woken.append(s), lambda: -float("inf"), 0.4)
-        )
-        for schema, store in stores.items()
-    ]
-    try:
+    async with polled(stores, woken, lambda _: -float("inf")) as (_, polls):
         await asyncio.sleep(0.6)
         assert set(woken) == set(SCHEMAS), woken
         assert all(task.done() is False for task in polls)  # the poll goes on
-    finally:
-        for task in polls:
-            task.cancel()
-        await asyncio.gather(*polls, return_exceptions=True)
-        await listeners.close()
-        for store in stores.values():
-            await store.close()
