@@ -175,20 +175,27 @@ async def wait_metric(
         await asyncio.sleep(interval)
 
 
-async def handle_all(proc: Proc, port: int, count: int) -> None:
-    """Wait until `relay inbox` (`proc`, its /metrics on `port`) has processed
-    `count` messages (none failed; scraped every second past 100,000, as a
-    backlog's drain takes minutes), then stop it: a BenchError unless it
-    exits 0 on SIGTERM."""
-    await wait_metric(
+async def wait_handled(proc: Proc, port: int, count: int, interval: float) -> float:
+    """When `relay inbox` (`proc`, its /metrics on `port`, scraped every
+    `interval` seconds) had processed `count` messages: a BenchError as soon
+    as one failed, or if that takes too long."""
+    return await wait_metric(
         proc,
         port,
         "relay_inbox_processed_total",
         count,
         timeout=max(300.0, count / 150),
-        interval=1.0 if count > 100_000 else 0.1,
+        interval=interval,
         fail_on="relay_inbox_failed_total",
     )
+
+
+async def handle_all(proc: Proc, port: int, count: int) -> None:
+    """Wait until `relay inbox` (`proc`, its /metrics on `port`) has processed
+    `count` messages (none failed; scraped every second past 100,000, as a
+    backlog's drain takes minutes), then stop it: a BenchError unless it
+    exits 0 on SIGTERM."""
+    await wait_handled(proc, port, count, 1.0 if count > 100_000 else 0.1)
     code = await proc.stop()
     if code != 0:
         raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")

@@ -52,7 +52,14 @@ from bench.common import (
     relay_command,
     steady_rate,
 )
-from bench.harness import AMQP_URL, create_effects, daemon_args, metrics, wait_metric
+from bench.harness import (
+    AMQP_URL,
+    create_effects,
+    daemon_args,
+    metrics,
+    wait_handled,
+    wait_metric,
+)
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -289,15 +296,7 @@ async def main(args: argparse.Namespace) -> None:
             )
             publish_seconds = (await metrics(port)).get("relay_outbox_publish_seconds_sum")
         else:
-            await wait_metric(
-                proc,
-                port,
-                "relay_inbox_processed_total",
-                count,
-                timeout=max(300.0, count / 150),
-                interval=0.5,
-                fail_on="relay_inbox_failed_total",
-            )
+            await wait_handled(proc, port, count, 0.5)
         tree.sample()
         # py-spy writes its samples once the daemon it runs exits.
         daemon = descendants(proc.pid)[0] if args.py_spy else proc.pid
