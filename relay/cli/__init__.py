@@ -23,7 +23,7 @@ from relay.cli import audit, console, daemons, dead, demo, replay, schema, statu
 # looked up by name: the distribution is not named `relay` on the index.
 @click.version_option(version=__version__, prog_name="relay")
 def cli() -> None:
-    """relay: transactional outbox and inbox daemons for PostgreSQL, RabbitMQ and SQS."""
+    """relay: transactional outbox and inbox daemons for PostgreSQL, RabbitMQ, SQS and Kafka."""
 
 
 for command in (

@@ -8,20 +8,20 @@ from typing import Any
 import click
 
 from relay import config
-from relay.cli.base import build, common, run_coro, setup_logs
+from relay.cli.base import build, common, option, run_coro, setup_logs
 
 
 @click.command()
 @common
-@click.option("--json", "as_json", is_flag=True, help="print one JSON array")
-@click.option(
+@option("--json", "as_json", is_flag=True, help="print one JSON array")
+@option(
     "--limit",
     type=click.IntRange(min=1),
     default=100,
     show_default=True,
     help="entries to print, newest first",
 )
-@click.option(
+@option(
     "--before", "before_id", type=click.IntRange(min=1), default=None, help="entries before this id"
 )
 def audit(as_json: bool, limit: int, before_id: int | None, **kwargs: Any) -> None:

@@ -22,11 +22,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _envvar(flag: str) -> str:
-    return "RELAY_" + flag.lstrip("-").upper().replace("-", "_")
+    """RELAY_<FLAG_IN_CAPS>; an on/off pair (`--retry/--no-retry`) by its first
+    name, read as click reads a flag's variable (1/0, true/false, yes/no)."""
+    return "RELAY_" + flag.split("/")[0].lstrip("-").upper().replace("-", "_")
 
 
 def option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
-    """A click option that also reads RELAY_<FLAG>."""
+    """A click option that also reads RELAY_<FLAG>: every option of every
+    command, as the contract says (a flag beats the variable)."""
     kwargs.setdefault("show_envvar", True)
     return click.option(flag, *names, envvar=_envvar(flag), **kwargs)
 

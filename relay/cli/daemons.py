@@ -150,7 +150,7 @@ def daemon_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 @click.command()
 @outbox_options
-@click.option("--once", is_flag=True, help="publish every row due now, then exit 0")
+@option("--once", is_flag=True, help="publish every row due now, then exit 0")
 # Checked by the settings (one line on stderr), not by click (a usage block).
 @option(
     "--on-unroutable",

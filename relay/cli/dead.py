@@ -23,6 +23,7 @@ from relay.cli.base import (
     claim_check_url,
     common,
     fail_config,
+    option,
     run_coro,
     setup_logs,
     shown,
@@ -33,14 +34,14 @@ from relay.lifecycle import EXIT_FAILURE
 
 @click.command()
 @click.argument("table", type=click.Choice(["outbox", "inbox"]))
-@click.option(
+@option(
     "--id",
     "ids",
     multiple=True,
     help="a row to retry (outbox: its id; inbox: its message_id); repeatable",
 )
-@click.option("--all-dead", is_flag=True, help="every dead row")
-@click.option("--consumer", default=None, help="inbox only: only this consumer's rows")
+@option("--all-dead", is_flag=True, help="every dead row")
+@option("--consumer", default=None, help="inbox only: only this consumer's rows")
 @claim_check_option
 @as_option
 @common
@@ -87,31 +88,31 @@ def retry(
 def _dead_filter(f: F) -> F:
     for decorator in reversed(
         [
-            click.option(
+            option(
                 "--table",
                 type=click.Choice(["outbox", "inbox"]),
                 default=None,
                 help="only this table [default: both]",
             ),
-            click.option("--consumer", default=None, help="inbox only: this consumer's rows"),
-            click.option("--topic", default=None, help="rows of this topic"),
-            click.option("--type", "type_", default=None, help="rows of this message type"),
-            click.option("--key", default=None, help="rows of this key"),
-            click.option(
+            option("--consumer", default=None, help="inbox only: this consumer's rows"),
+            option("--topic", default=None, help="rows of this topic"),
+            option("--type", "type_", default=None, help="rows of this message type"),
+            option("--key", default=None, help="rows of this key"),
+            option(
                 "--error", default=None, help="rows whose last_error contains this text (any case)"
             ),
-            click.option(
+            option(
                 "--group",
                 default=None,
                 help="rows of this error group, as `relay dead groups` prints it",
             ),
-            click.option(
+            option(
                 "--older-than",
                 type=Duration(),
                 default=None,
                 help="rows written longer ago than this (90s, 30m, 24h, 7d)",
             ),
-            click.option(
+            option(
                 "--newer-than",
                 type=Duration(),
                 default=None,
@@ -173,15 +174,15 @@ def dead() -> None:
 
 @dead.command("list")
 @_dead_filter
-@click.option(
+@option(
     "--limit",
     type=click.IntRange(min=0),
     default=100,
     show_default=True,
     help="rows per page (0: every row, page after page)",
 )
-@click.option("--after", default=None, help="the cursor a previous page printed")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON array")
+@option("--after", default=None, help="the cursor a previous page printed")
+@option("--json", "as_json", is_flag=True, help="print one JSON array")
 def dead_list(limit: int, after: str | None, as_json: bool, **kwargs: Any) -> None:
     """List dead rows of both tables, newest first (outbox, then inbox)."""
     where = _filter_from(kwargs)
@@ -223,13 +224,13 @@ def _one_row(f: F) -> F:
     for decorator in reversed(
         [
             click.argument("row_id", metavar="ID"),
-            click.option(
+            option(
                 "--table",
                 type=click.Choice(["outbox", "inbox"]),
                 default=None,
                 help="the row's table, when the id is dead in both",
             ),
-            click.option("--consumer", default=None, help="inbox: the row's consumer"),
+            option("--consumer", default=None, help="inbox: the row's consumer"),
         ]
     ):
         f = decorator(f)
@@ -238,7 +239,7 @@ def _one_row(f: F) -> F:
 
 @dead.command("show")
 @_one_row
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@option("--json", "as_json", is_flag=True, help="print one JSON object")
 @common
 def dead_show(
     row_id: str, table: str | None, consumer: str | None, as_json: bool, **kwargs: Any
@@ -260,7 +261,7 @@ def dead_show(
 
 @dead.command("groups")
 @_dead_filter
-@click.option("--json", "as_json", is_flag=True, help="print one JSON array")
+@option("--json", "as_json", is_flag=True, help="print one JSON array")
 def dead_groups(as_json: bool, **kwargs: Any) -> None:
     """Dead rows grouped by error (exception type and first line), with counts."""
     where = _filter_from(kwargs)
@@ -288,8 +289,8 @@ def dead_groups(as_json: bool, **kwargs: Any) -> None:
 
 
 @dead.command("retry")
-@click.option("--id", "ids", multiple=True, help="only this row (repeatable)")
-@click.option(
+@option("--id", "ids", multiple=True, help="only this row (repeatable)")
+@option(
     "--all",
     "every",
     is_flag=True,
@@ -317,11 +318,9 @@ def dead_retry(ids: tuple[str, ...], every: bool, claim_check: str | None, **kwa
 
 @dead.command("edit")
 @_one_row
-@click.option("--payload", default=None, help="the new payload: JSON text, or @FILE")
-@click.option("--headers", default=None, help="the new headers: a JSON object, or @FILE")
-@click.option(
-    "--retry/--no-retry", default=True, show_default=True, help="retry the row once edited"
-)
+@option("--payload", default=None, help="the new payload: JSON text, or @FILE")
+@option("--headers", default=None, help="the new headers: a JSON object, or @FILE")
+@option("--retry/--no-retry", default=True, show_default=True, help="retry the row once edited")
 @as_option
 @common
 def dead_edit(
@@ -369,14 +368,14 @@ def _text_or_file(value: str | None, flag: str) -> str | None:
 
 
 @dead.command("discard")
-@click.option("--id", "ids", multiple=True, help="only this row (repeatable)")
-@click.option(
+@option("--id", "ids", multiple=True, help="only this row (repeatable)")
+@option(
     "--all",
     "every",
     is_flag=True,
     help="every dead row that matches (needed when no filter and no --id is given)",
 )
-@click.option("--reason", default=None, help="kept with the discarded rows")
+@option("--reason", default=None, help="kept with the discarded rows")
 @_dead_filter
 @as_option
 def dead_discard(ids: tuple[str, ...], every: bool, reason: str | None, **kwargs: Any) -> None:

@@ -8,30 +8,39 @@ from typing import Any
 import click
 
 from relay import config
-from relay.cli.base import actor, as_option, build, common, fail_config, run_coro, setup_logs
+from relay.cli.base import (
+    actor,
+    as_option,
+    build,
+    common,
+    fail_config,
+    option,
+    run_coro,
+    setup_logs,
+)
 from relay.errors import ConfigError
 from relay.lifecycle import EXIT_FAILURE
 
 
 @click.command()
 @click.argument("table", type=click.Choice(["outbox", "inbox"]))
-@click.option(
+@option(
     "--since",
     default=None,
     help="rows written at or after this: an ISO time (UTC unless it says otherwise) "
     "or a duration back from now (90s, 30m, 2h, 7d)",
 )
-@click.option("--until", default=None, help="rows written before this (as --since)")
-@click.option(
+@option("--until", default=None, help="rows written before this (as --since)")
+@option(
     "--topic",
     default=None,
     metavar="PATTERN",
     help="rows whose topic matches, as a RabbitMQ binding: `*` one word, `#` zero or more",
 )
-@click.option("--type", "type_", default=None, help="rows of this message type")
-@click.option("--key", default=None, help="rows of this key")
-@click.option("--consumer", default=None, help="inbox only: this consumer's rows")
-@click.option("--dry-run", is_flag=True, help="print how many rows would move; change nothing")
+@option("--type", "type_", default=None, help="rows of this message type")
+@option("--key", default=None, help="rows of this key")
+@option("--consumer", default=None, help="inbox only: this consumer's rows")
+@option("--dry-run", is_flag=True, help="print how many rows would move; change nothing")
 @as_option
 @common
 def replay(

@@ -9,13 +9,13 @@ from typing import Any
 import click
 
 from relay import config
-from relay.cli.base import given_sources, run_coro, setup_logs, shown, sources_common
+from relay.cli.base import given_sources, option, run_coro, setup_logs, shown, sources_common
 from relay.lifecycle import EXIT_FAILURE
 
 
 @click.command()
 @sources_common
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@option("--json", "as_json", is_flag=True, help="print one JSON object")
 def status(as_json: bool, **kwargs: Any) -> None:
     """Counts per table and status, and the age of the oldest pending row (of
     each source, and in all, when given several)."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import click
 import pytest
 
 from relay import logs
@@ -313,3 +314,38 @@ def test_a_database_url_with_a_bad_port_exits_2_with_one_line():
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "bad port 'abc'" in result.stderr and SECRET not in result.stderr
+
+
+def _commands(group: click.Group, path: str = "relay") -> Iterator[tuple[str, click.Command]]:
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _commands(command, f"{path} {name}")
+        else:
+            yield f"{path} {name}", command
+
+
+def test_every_option_of_every_command_reads_its_relay_variable():
+    """The contract: every option is a flag and RELAY_<FLAG_IN_CAPS>."""
+    from relay.cli import cli
+
+    seen = 0
+    for path, command in _commands(cli):
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.hidden or param.name == "help":
+                continue
+            flag = param.opts[0]
+            wanted = "RELAY_" + flag.lstrip("-").upper().replace("-", "_")
+            assert param.envvar == wanted, f"{path} {flag}: {param.envvar!r}"
+            seen += 1
+    assert seen > 100  # every command's options were looked at
+
+
+def test_flags_of_one_invocation_read_their_variables_too(engine, run_relay):
+    """`--json` and `--once` as RELAY_JSON and RELAY_ONCE (read as click reads a flag)."""
+    as_json = run_relay("status", env={"RELAY_JSON": "true"})
+    assert as_json.returncode == 0, as_json.stderr
+    assert set(json.loads(as_json.stdout)) == {"outbox", "inbox"}
+    text = run_relay("status", env={"RELAY_JSON": "false"})
+    assert text.stdout.startswith("outbox: pending 0"), text.stdout
+    once = run_relay("outbox", env={"RELAY_ONCE": "1"}, timeout=60)  # ends, or times out
+    assert once.returncode == 0, once.stderr
