@@ -572,7 +572,7 @@ def to_incoming(message: Message, token: Token) -> Incoming:
     decoded leniently: invalid UTF-8 as surrogate escapes, which
     relay.storable keeps in a dead row with the reason."""
     topic, partition, offset = token.topic, token.partition, token.offset
-    given = message.headers() or []
+    given = message.headers() or []  # raises for a header name not UTF-8: see _take
     pairs: list[tuple[str, Any]] = list(given.items() if isinstance(given, dict) else given)
     headers: dict[str, Any] = {}
     for name, value in pairs:  # a repeated name: the last, as Java's lastHeader()
@@ -597,6 +597,28 @@ def to_incoming(message: Message, token: Token) -> Incoming:
             "headers": [list(pair) for pair in pairs],
         },
         content_type=headers.get("content-type"),
+    )
+
+
+def unreadable(message: Message, token: Token, why: str) -> Incoming:
+    """A record whose properties cannot be decoded: kept in a dead row with
+    the reason (its value as received), under its own place in the log."""
+    topic, partition, offset = token.topic, token.partition, token.offset
+    raw_key = message.key()
+    return Incoming(
+        message_id=f"kafka:{topic}:{partition}:{offset}",
+        topic=topic,
+        key=None,
+        type=topic,
+        body=message.value() or b"",
+        ack_token=token,
+        original=lambda: {
+            "topic": topic,
+            "partition": partition,
+            "offset": offset,
+            "key": raw_key,
+        },
+        undecodable=f"Kafka record {topic}:{partition}:{offset}: {why}",
     )
 
 
@@ -869,7 +891,11 @@ class KafkaConsumer:
                     continue
                 offset = message.offset() or 0
                 state.handed.append([offset, 0])
-                got.append(to_incoming(message, Token(place[0], place[1], offset, state.epoch)))
+                token = Token(place[0], place[1], offset, state.epoch)
+                try:
+                    got.append(to_incoming(message, token))
+                except Exception as exc:  # one record never stops the consumer
+                    got.append(unreadable(message, token, f"{type(exc).__name__}: {exc}"))
             self._held += len(got)
         return got
 

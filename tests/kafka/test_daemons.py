@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 import relay
+from tests import kafka_raw
 from tests.conftest import HANDLERS, effect_ids, free_port, rows, wait_until
 from tests.kafka_server import Kafka
 
@@ -109,6 +110,39 @@ def test_hostile_records_are_dead_rows_their_offsets_committed_and_the_canaries_
         assert got[message_id][0] == "dead" and got[message_id][1], message_id
     assert got[f"kafka:{topic}:0:{total - 1}"][0] == "processed"  # the record's own place
     wait_until(lambda: kafka.committed(topic, topic) == {0: total}, timeout=30)
+    daemon.stop()
+    assert daemon.proc.returncode == 0
+
+
+def test_records_no_client_library_writes_are_dead_rows_and_the_next_is_handled(
+    effects: sa.Engine, kafka: Kafka, start_relay
+):
+    """From a producer of its own (tests/kafka_raw.py): a header name that is
+    not UTF-8, which confluent-kafka cannot decode for relay, and a null
+    value (a tombstone). Each is one dead row, the record after each is
+    handled, every offset is committed, the daemon runs on."""
+    topic = kafka.topic("raw")
+    records: list[kafka_raw.RawRecord] = [
+        (None, b'{"n": 1}', [(b"id", b"raw-badname"), (b"type", b"Effect"), (b"\xff\xfe", b"x")]),
+        (None, b'{"canary": 1}', [(b"id", b"raw-canary-1"), (b"type", b"Effect")]),
+        (b"k", None, [(b"id", b"raw-tombstone"), (b"type", b"Effect")]),
+        (None, b'{"canary": 2}', [(b"id", b"raw-canary-2"), (b"type", b"Effect")]),
+    ]
+    assert kafka_raw.produce(kafka.bootstrap, topic, records) == 0
+    daemon = start_relay(*inbox_args(kafka, topic), env={"RELAY_BROKER_URL": kafka.url()})
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) == len(records), timeout=60)
+    wait_until(lambda: sorted(effect_ids(effects)) == ["raw-canary-1", "raw-canary-2"], timeout=30)
+    got = {
+        r[0]: r[1:]
+        for r in rows(effects, "SELECT message_id, status, last_error, payload, key FROM inbox")
+    }
+    status, error, payload, key = got[f"kafka:{topic}:0:0"]  # its id header unread
+    assert status == "dead" and "properties could not be decoded" in error, error
+    assert payload == {"n": 1}
+    status, error, _payload, key = got["raw-tombstone"]
+    assert status == "dead" and "JSON" in error and key == "k", error
+    wait_until(lambda: kafka.committed(topic, topic) == {0: len(records)}, timeout=30)
+    assert daemon.proc.poll() is None, daemon.log
     daemon.stop()
     assert daemon.proc.returncode == 0
 
