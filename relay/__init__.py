@@ -1,4 +1,4 @@
-"""relay: the transactional outbox and inbox patterns for PostgreSQL, RabbitMQ and SQS.
+"""relay: the transactional outbox and inbox patterns for PostgreSQL, RabbitMQ, SQS and Kafka.
 
 Producers call `enqueue` (or `enqueue_async`) inside their own transaction;
 consumers register handlers on a `HandlerRegistry`. The daemons are

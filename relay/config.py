@@ -347,6 +347,17 @@ KAFKA_FIXED: dict[str, tuple[tuple[str, ...], str]] = {
         "kafkas:// verifies the brokers' host names",
     ),
 }
+# librdkafka's other names for them (its CONFIGURATION.md): the same check.
+_KAFKA_ALIASES = {"request.required.acks": "acks"}
+# How librdkafka reads a boolean property.
+_KAFKA_BOOLEANS = {
+    "true": "true",
+    "t": "true",
+    "1": "true",
+    "false": "false",
+    "f": "false",
+    "0": "false",
+}
 # Properties the URL itself or relay's flags give.
 _KAFKA_FROM_URL = {
     "bootstrap.servers": "list the brokers as kafka://HOST:PORT,HOST:PORT",
@@ -393,8 +404,9 @@ def parse_kafka_url(url: str) -> tuple[tuple[str, str], ...]:
                 f"invalid broker URL {shown!r}: {name} is not a URL parameter: "
                 f"{_KAFKA_FROM_URL[name]}"
             )
-        fixed = KAFKA_FIXED.get(name)
-        if fixed is not None and value.strip().lower() not in fixed[0]:
+        fixed = KAFKA_FIXED.get(_KAFKA_ALIASES.get(name, name))
+        spelled = value.strip().lower()
+        if fixed is not None and _KAFKA_BOOLEANS.get(spelled, spelled) not in fixed[0]:
             raise ConfigError(
                 f"invalid broker URL {shown!r}: {name}={value} is against relay's guarantees "
                 f"({fixed[1]}); leave it out"

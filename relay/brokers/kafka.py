@@ -242,11 +242,17 @@ def build_record(row: OutboxRow) -> Record:
     if row.type:
         headers.append(("type", row.type.encode()))
     headers.append(("content-type", b"application/json"))
-    headers += [(name, value.encode()) for name, value in row_headers(row).items()]
-    headers += [
+    attributes = [
         (name, value.encode() if type(value) is str else str(value).encode())
         for name, value in row.attributes
     ]
+    given = row_headers(row)
+    if given:
+        # relay's own headers win over the row's of the same name: a second
+        # `id` would be the one Java's lastHeader() and relay's inbox read.
+        own = {name for name, _ in headers} | {name for name, _ in attributes}
+        headers += [(name, value.encode()) for name, value in given.items() if name not in own]
+    headers += attributes
     return Record(
         topic=row.topic,
         key=row.key.encode() if row.key is not None else None,
@@ -404,8 +410,9 @@ class KafkaPublisher:
             described = metadata.topics.get(topic)
             error = described.error if described is not None else None
             if described is None or (error is not None and error.code() in _MISSING_TOPIC):
+                why = _describe(error) if error is not None else "not in the cluster's metadata"
                 found[topic] = Failure(
-                    f"Kafka topic {topic!r} does not exist (relay never creates topics)"
+                    f"Kafka topic {topic!r} does not exist ({why}; relay never creates topics)"
                 )
             elif error is not None and error.code() in _DENIED:
                 found[topic] = Failure(

@@ -64,13 +64,21 @@ async def test_a_record_carries_the_contracts_key_value_timestamp_and_headers(ka
         attributes=(("ExtendedPayloadSize", 300000),),
     )
     plain = row(topic, [1, 2, 3])
+    # Row headers named like relay's own: relay's stay the only ones.
+    clash = row(
+        topic,
+        type="Real",
+        headers='{"id": "forged", "type": "Other", "content-type": "text/plain", '
+        '"ExtendedPayloadSize": "1", "kept": "yes"}',
+        attributes=(("ExtendedPayloadSize", 300000),),
+    )
     pub = publisher(kafka)
     try:
-        assert await pub.publish([full, plain]) == [None, None]
+        assert await pub.publish([full, plain, clash]) == [None, None, None]
         assert pub.connected
     finally:
         await pub.close()
-    got = {m.headers()[0][1].decode(): m for m in kafka.read(topic, 2)}
+    got = {m.headers()[0][1].decode(): m for m in kafka.read(topic, 3)}
     first, second = got[full.id], got[plain.id]
     assert first.key() == b"order-7"
     assert first.value() == '{"order_id":7,"note":"é","big":12345678901234567890}'.encode()
@@ -84,6 +92,13 @@ async def test_a_record_carries_the_contracts_key_value_timestamp_and_headers(ka
     ]
     assert second.key() is None and second.value() == b"[1,2,3]"
     assert second.headers() == [("id", plain.id.encode()), ("content-type", b"application/json")]
+    assert got[clash.id].headers() == [
+        ("id", clash.id.encode()),
+        ("type", b"Real"),
+        ("content-type", b"application/json"),
+        ("kept", b"yes"),
+        ("ExtendedPayloadSize", b"300000"),
+    ]
 
 
 async def test_a_keys_later_rows_wait_behind_its_failed_row(kafka: Kafka):

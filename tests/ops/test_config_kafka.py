@@ -125,7 +125,31 @@ def test_any_value_of_a_fixed_property_is_relays_own_or_refused(name, value):
     except ConfigError as exc:
         assert name in str(exc)
         return
-    assert dict(got.kafka)[name].strip().lower() in allowed
+    spelled = dict(got.kafka)[name].strip().lower()
+    # librdkafka reads a boolean as true/t/1 or false/f/0
+    as_read = {"t": "true", "1": "true", "f": "false", "0": "false"}.get(spelled, spelled)
+    assert as_read in allowed
+
+
+@pytest.mark.parametrize(
+    ("query", "accepted"),
+    [
+        ("request.required.acks=1", False),  # librdkafka's other name for acks
+        ("request.required.acks=all", True),
+        ("enable.idempotence=1", True),  # librdkafka reads 1 as true
+        ("enable.idempotence=T", True),
+        ("enable.idempotence=0", False),
+        ("enable.auto.commit=1", False),
+        ("enable.auto.commit=f", True),
+    ],
+)
+def test_aliases_and_booleans_are_checked_as_librdkafka_reads_them(query, accepted):
+    url = f"kafka://b:9092?{query}"
+    if accepted:
+        BrokerURL.parse(url)
+    else:
+        with pytest.raises(ConfigError, match=query.split("=")[0]):
+            BrokerURL.parse(url)
 
 
 def test_without_the_kafka_extra_a_kafka_url_exits_2_naming_it():
