@@ -719,7 +719,7 @@ class KafkaConsumer:
         self._consumer = consumer
         self._stop.clear()
         self._thread = threading.Thread(
-            target=self._consume, name="relay-kafka-consume", daemon=True
+            target=self._consume_or_fail, name="relay-kafka-consume", daemon=True
         )
         self._thread.start()
         log.info(
@@ -827,6 +827,15 @@ class KafkaConsumer:
                     self._held -= before - len(state.handed)
             self._acked.notify_all()
         done.set()
+
+    def _consume_or_fail(self) -> None:
+        """The consume thread: whatever ends it unexpectedly reaches the
+        loop as a failure (the receiver reconnects), never a silent stall."""
+        try:
+            self._consume()
+        except Exception as exc:
+            log.exception("the Kafka consume thread failed")
+            self._fail(BrokerUnavailable(f"Kafka consumer of {', '.join(self.topics)}: {exc!r}"))
 
     def _consume(self) -> None:
         consumer = self._consumer

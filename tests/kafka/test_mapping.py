@@ -13,8 +13,10 @@ from confluent_kafka import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.brokers.kafka import Token, to_incoming
+from relay.brokers.kafka import KafkaConsumer, Token, to_incoming
 from relay.cloudevents import binding, receive
+from relay.config import BrokerURL
+from relay.errors import BrokerUnavailable
 from relay.storable import to_row
 
 
@@ -122,3 +124,20 @@ def _utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_anything_that_ends_the_consume_thread_reaches_the_loop_as_a_failure(monkeypatch):
+    """No broker: the thread's own wrapper, given a consume loop that raises
+    what nobody expected. Before it, the thread died and the inbox waited."""
+    consumer = KafkaConsumer(
+        BrokerURL.parse("kafka://b:9092"), topics=["t"], group="g", prefetch=10
+    )
+
+    def broken() -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(consumer, "_consume", broken)
+    consumer._consume_or_fail()
+    assert isinstance(consumer._failure, BrokerUnavailable)
+    assert str(consumer._failure) == "Kafka consumer of t: ZeroDivisionError('a bug')"
+    assert consumer._failed()
