@@ -450,7 +450,7 @@ class KafkaPublisher:
                 continue
             refused = by_topic.get(record.topic)
             if refused is None and record.size > self.limit:
-                refused = self._too_large(record.size, self.limit, "message.max.bytes")
+                refused = self._too_large(record.size, self.limit)
             if refused is None:
                 refused = await self._produce(producer, record, batch.callback(index))
                 if refused is None:
@@ -514,9 +514,15 @@ class KafkaPublisher:
         if error is False or error is True:
             return Outcome.RELEASE
         code = error.code()
-        if code in _TOO_LARGE:
+        if code in _TOO_LARGE:  # the cluster's limit, below the client's: not told
             size = record.size if record is not None else None
-            return self._too_large(size, self.limit, "the cluster's or message.max.bytes")
+            told = f"{size} bytes (value, key and headers)" if size is not None else "a record"
+            return Failure(
+                f"record is {told}, refused by the cluster as too large ({_describe(error)}): "
+                f"over the topic's max.message.bytes (or the broker's message.max.bytes), "
+                f"which is below relay's {self.limit}-byte message.max.bytes",
+                permanent=True,
+            )
         if code in _RELEASE:
             if code == KafkaError._MSG_TIMED_OUT:
                 log.warning("a Kafka delivery timed out (%s): sent again later", error.str())
@@ -530,9 +536,12 @@ class KafkaPublisher:
         return Failure(f"Kafka refused the record: {_describe(error)}")
 
     @staticmethod
-    def _too_large(size: int | None, limit: int, what: str) -> Failure:
-        told = f"{size} bytes (value, key and headers)" if size is not None else "too large"
-        return Failure(f"record is {told}, over the {limit}-byte limit ({what})", permanent=True)
+    def _too_large(size: int, limit: int) -> Failure:
+        return Failure(
+            f"record is {size} bytes (value, key and headers), over the {limit}-byte limit "
+            "(message.max.bytes)",
+            permanent=True,
+        )
 
     @staticmethod
     def _in_key_order(

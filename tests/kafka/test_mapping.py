@@ -9,14 +9,15 @@ import orjson
 from cloudevents.core.bindings import kafka as sdk_kafka
 from cloudevents.core.formats.json import JSONFormat
 from cloudevents.core.v1.event import CloudEvent as SdkEvent
-from confluent_kafka import Message
+from confluent_kafka import KafkaError, Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.brokers.kafka import KafkaConsumer, Token, to_incoming
+from relay.brokers.kafka import KafkaConsumer, KafkaPublisher, Record, Token, to_incoming
 from relay.cloudevents import binding, receive
 from relay.config import BrokerURL
 from relay.errors import BrokerUnavailable
+from relay.rows import Failure
 from relay.storable import to_row
 
 
@@ -141,3 +142,15 @@ def test_anything_that_ends_the_consume_thread_reaches_the_loop_as_a_failure(mon
     assert isinstance(consumer._failure, BrokerUnavailable)
     assert str(consumer._failure) == "Kafka consumer of t: ZeroDivisionError('a bug')"
     assert consumer._failed()
+
+
+def test_a_record_the_cluster_refuses_as_too_large_is_dead_with_its_size_and_whose_limit():
+    """The cluster's own limit (a topic's max.message.bytes below the
+    client's): Tansu takes records of any size, so the delivery report's
+    error is built here, as librdkafka hands it over."""
+    publisher = KafkaPublisher(BrokerURL.parse("kafka://b:9092?message.max.bytes=50000"))
+    record = Record("t", b"k", b"x" * 40_000, [("id", b"1")], 0)
+    refused = publisher._result(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), record)
+    assert isinstance(refused, Failure) and refused.permanent
+    assert refused.error.startswith("record is 40004 bytes (value, key and headers), refused by")
+    assert "max.message.bytes" in refused.error and "50000-byte" in refused.error
