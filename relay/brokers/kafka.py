@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import re
 import threading
 import time
@@ -583,12 +584,22 @@ class Token(NamedTuple):
     epoch: int
 
 
+# Message.headers() through a C-level call, never a plain `message.headers()`:
+# for a header name that is not UTF-8, confluent-kafka returns a list holding
+# a NULL with the UnicodeDecodeError still set. A C-level call checks the
+# result and raises SystemError; CPython 3.11's specialized bytecode for a
+# hot `message.headers()` does not, and the next touch of that list crashed
+# the receiver process (SIGSEGV), found by the generated records of
+# tests/kafka/test_daemons.py.
+_headers_of = operator.methodcaller("headers")
+
+
 def to_incoming(message: Message, token: Token) -> Incoming:
     """A record as the inbox sees it (the contract's mapping). Headers are
     decoded leniently: invalid UTF-8 as surrogate escapes, which
     relay.storable keeps in a dead row with the reason."""
     topic, partition, offset = token.topic, token.partition, token.offset
-    given = message.headers() or []  # raises for a header name not UTF-8: see _take
+    given = _headers_of(message) or []  # raises for a header name not UTF-8: see _take
     pairs: list[tuple[str, Any]] = list(given.items() if isinstance(given, dict) else given)
     headers: dict[str, Any] = {}
     for name, value in pairs:  # a repeated name: the last, as Java's lastHeader()
@@ -614,6 +625,14 @@ def to_incoming(message: Message, token: Token) -> Incoming:
         },
         content_type=headers.get("content-type"),
     )
+
+
+def _unreadable_why(exc: Exception) -> str:
+    behind = exc.__cause__ or exc.__context__
+    for error in (exc, behind):
+        if isinstance(error, UnicodeDecodeError):
+            return f"a header name is not valid UTF-8 ({error})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def unreadable(message: Message, token: Token, why: str) -> Incoming:
@@ -920,7 +939,7 @@ class KafkaConsumer:
                 try:
                     got.append(to_incoming(message, token))
                 except Exception as exc:  # one record never stops the consumer
-                    got.append(unreadable(message, token, f"{type(exc).__name__}: {exc}"))
+                    got.append(unreadable(message, token, _unreadable_why(exc)))
             self._held += len(got)
         return got
 
