@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import re
 import socket
 import time
 import uuid
@@ -186,7 +187,9 @@ async def test_sync_handler_over_the_timeout_fails_the_attempt_when_it_returns(
     wait_until(lambda: (status_of(effects, "s-1") or ("",))[0] == "dead", timeout=30)
     _, attempts, error = status_of(effects, "s-1")
     assert attempts == 1
-    assert "TimeoutError: handler ran 0.8s, over --handler-timeout 0.5s" in error
+    # What it ran as measured: 0.8 s, more on a busy machine.
+    ran = re.search(r"TimeoutError: handler ran (\d+\.\d)s, over --handler-timeout 0\.5s", error)
+    assert ran is not None and float(ran.group(1)) >= 0.8, error
     # Its write rolled back with the failed attempt; the other row went on.
     wait_until(lambda: effect_ids(effects) == ["s-2"])
 
