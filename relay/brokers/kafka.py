@@ -583,6 +583,31 @@ class Token(NamedTuple):
     offset: int
     epoch: int
 
+    @property
+    def place(self) -> str:
+        """TOPIC:PARTITION:OFFSET; `kafka:` and it, a record's dedup key without an id."""
+        return f"{self.topic}:{self.partition}:{self.offset}"
+
+
+def _as_received(
+    token: Token, raw_key: bytes | None, pairs: list[tuple[str, Any]] | None = None
+) -> Callable[[], dict[str, Any]]:
+    """The record's lossless account, asked for only when its row cannot
+    hold it as given (Incoming.original); its headers when they were read."""
+
+    def original() -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "topic": token.topic,
+            "partition": token.partition,
+            "offset": token.offset,
+            "key": raw_key,
+        }
+        if pairs is not None:
+            out["headers"] = [list(pair) for pair in pairs]
+        return out
+
+    return original
+
 
 # Message.headers() through a C-level call, never a plain `message.headers()`:
 # for a header name that is not UTF-8, confluent-kafka returns a list holding
@@ -598,7 +623,7 @@ def to_incoming(message: Message, token: Token) -> Incoming:
     """A record as the inbox sees it (the contract's mapping). Headers are
     decoded leniently: invalid UTF-8 as surrogate escapes, which
     relay.storable keeps in a dead row with the reason."""
-    topic, partition, offset = token.topic, token.partition, token.offset
+    topic = token.topic
     given = _headers_of(message) or []  # raises for a header name not UTF-8: see _take
     pairs: list[tuple[str, Any]] = list(given.items() if isinstance(given, dict) else given)
     headers: dict[str, Any] = {}
@@ -607,22 +632,14 @@ def to_incoming(message: Message, token: Token) -> Incoming:
     message_id = headers.get("id") or headers.get("message_id") or None
     raw_key = message.key()
     return Incoming(
-        message_id=message_id
-        if isinstance(message_id, str)
-        else f"kafka:{topic}:{partition}:{offset}",
+        message_id=message_id if isinstance(message_id, str) else f"kafka:{token.place}",
         topic=topic,
         key=_text(raw_key) if raw_key is not None else None,
         type=headers.get("type") or topic,
         body=message.value() or b"",
         headers=headers,
         ack_token=token,
-        original=lambda: {
-            "topic": topic,
-            "partition": partition,
-            "offset": offset,
-            "key": raw_key,
-            "headers": [list(pair) for pair in pairs],
-        },
+        original=_as_received(token, raw_key, pairs),
         content_type=headers.get("content-type"),
     )
 
@@ -638,22 +655,15 @@ def _unreadable_why(exc: Exception) -> str:
 def unreadable(message: Message, token: Token, why: str) -> Incoming:
     """A record whose properties cannot be decoded: kept in a dead row with
     the reason (its value as received), under its own place in the log."""
-    topic, partition, offset = token.topic, token.partition, token.offset
-    raw_key = message.key()
     return Incoming(
-        message_id=f"kafka:{topic}:{partition}:{offset}",
-        topic=topic,
+        message_id=f"kafka:{token.place}",
+        topic=token.topic,
         key=None,
-        type=topic,
+        type=token.topic,
         body=message.value() or b"",
         ack_token=token,
-        original=lambda: {
-            "topic": topic,
-            "partition": partition,
-            "offset": offset,
-            "key": raw_key,
-        },
-        undecodable=f"Kafka record {topic}:{partition}:{offset}: {why}",
+        original=_as_received(token, message.key()),
+        undecodable=f"Kafka record {token.place}: {why}",
     )
 
 
