@@ -288,6 +288,7 @@ KINDS: dict[str, Kind] = {
     "amqp": Kind("relay.brokers.amqp", system="rabbitmq", topic_is_queue=False),
     "sqs": Kind("relay.brokers.sqs", system="aws_sqs", topic_is_queue=True),
     "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True),
+    "sns": Kind("relay.brokers.sns", system="aws.sns", topic_is_queue=True),
 }
 
 
