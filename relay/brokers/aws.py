@@ -31,7 +31,14 @@ import botocore.exceptions as bce
 import orjson
 from botocore.config import Config
 
-from relay.brokers import Outcome, PublishResult, encode_failure, row_headers
+from relay.brokers import (
+    Outcome,
+    PublishResult,
+    check_topic,
+    encode_failure,
+    row_body,
+    row_headers,
+)
 from relay.config import BrokerURL, redact_url
 from relay.errors import BadMessage, BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
@@ -229,10 +236,23 @@ def message_attributes(row: OutboxRow) -> dict[str, dict[str, str]]:
 
 
 def entry(
-    row: OutboxRow, index: int, body: str, attributes: dict[str, dict[str, str]], service: str
+    row: OutboxRow,
+    index: int,
+    *,
+    service: str,
+    body_field: str,
+    names: re.Pattern[str],
+    naming: str,
 ) -> Entry:
-    """The entry's body and attributes checked and sized; its FIFO fields
-    when the topic ends in `.fifo`. BadMessage for what `service` refuses."""
+    """The batch entry for a row: its body (JSON) in `body_field`, its
+    message attributes, its FIFO fields when the topic ends in `.fifo`,
+    checked and sized. BadMessage for what `service` refuses, a topic
+    `names` does not match among it (`naming` says what it takes)."""
+    check_topic(row)
+    if not names.match(row.topic):
+        raise BadMessage(f"topic {row.topic!r} is not a valid {naming}")
+    attributes = message_attributes(row)
+    body = row_body(row).decode("utf-8")
     for name, text in [("body", body)] + [
         (f"attribute {n!r}", a["StringValue"]) for n, a in attributes.items()
     ]:
@@ -245,7 +265,7 @@ def entry(
         len(n.encode()) + len(a["DataType"]) + len(a["StringValue"].encode())
         for n, a in attributes.items()
     )
-    params: dict[str, Any] = {"Id": str(index), "MessageAttributes": attributes}
+    params: dict[str, Any] = {"Id": str(index), body_field: body, "MessageAttributes": attributes}
     order_key = row.key or None
     if row.topic.endswith(".fifo"):
         group = row.key or row.topic

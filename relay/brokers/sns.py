@@ -30,7 +30,7 @@ from typing import Any
 import botocore.exceptions as bce
 import orjson
 
-from relay.brokers import ConsumerOptions, check_topic, row_body
+from relay.brokers import ConsumerOptions
 from relay.brokers.aws import (
     ACCESS_DENIED,
     BatchPublisher,
@@ -39,10 +39,9 @@ from relay.brokers.aws import (
     code,
     entry,
     make_client,
-    message_attributes,
 )
 from relay.config import PUBLISH_ONLY, BrokerURL
-from relay.errors import BadMessage, ConfigError
+from relay.errors import ConfigError
 from relay.limits import original_bytes
 from relay.rows import Failure, OutboxRow
 
@@ -73,17 +72,14 @@ _BAD_CONTENT = frozenset(
 
 def build_entry(row: OutboxRow, index: int) -> Entry:
     """The PublishBatch entry for a row (the contract's wire format), or BadMessage."""
-    check_topic(row)
-    if not _TOPIC_NAME.match(row.topic):
-        raise BadMessage(
-            f"topic {row.topic!r} is not a valid SNS topic name "
-            "(1-256 letters, digits, - and _, ending in .fifo for a FIFO topic)"
-        )
-    attributes = message_attributes(row)
-    body = row_body(row).decode("utf-8")
-    made = entry(row, index, body, attributes, "SNS")
-    made.params["Message"] = body
-    return made
+    return entry(
+        row,
+        index,
+        service="SNS",
+        body_field="Message",
+        names=_TOPIC_NAME,
+        naming="SNS topic name (1-256 letters, digits, - and _, ending in .fifo for a FIFO topic)",
+    )
 
 
 class SnsPublisher(BatchPublisher):

@@ -27,7 +27,7 @@ from typing import Any
 import botocore.exceptions as bce
 import orjson
 
-from relay.brokers import ConsumerOptions, Incoming, aws, check_topic, row_body, take_batch
+from relay.brokers import ConsumerOptions, Incoming, aws, take_batch
 from relay.brokers.aws import (
     ACCESS_DENIED,
     BATCH_ENTRIES,
@@ -41,12 +41,11 @@ from relay.brokers.aws import (
     describe,
     entry,
     is_unavailable,
-    message_attributes,
     where,
 )
 from relay.brokers.sns import Notification, open_notification
 from relay.config import BrokerURL
-from relay.errors import BadMessage, BrokerUnavailable, ConfigError
+from relay.errors import BrokerUnavailable, ConfigError
 from relay.rows import Failure, OutboxRow
 
 log = logging.getLogger(__name__)
@@ -89,17 +88,14 @@ class _Sqs(AwsAdapter):
 
 def build_entry(row: OutboxRow, index: int) -> Entry:
     """The SendMessageBatch entry for a row (the contract's wire format), or BadMessage."""
-    check_topic(row)
-    if not _QUEUE_NAME.match(row.topic):
-        raise BadMessage(
-            f"topic {row.topic!r} is not a valid SQS queue name "
-            "(1-80 letters, digits, - and _, ending in .fifo for a FIFO queue)"
-        )
-    attributes = message_attributes(row)
-    body = row_body(row).decode("utf-8")
-    made = entry(row, index, body, attributes, "SQS")
-    made.params["MessageBody"] = body
-    return made
+    return entry(
+        row,
+        index,
+        service="SQS",
+        body_field="MessageBody",
+        names=_QUEUE_NAME,
+        naming="SQS queue name (1-80 letters, digits, - and _, ending in .fifo for a FIFO queue)",
+    )
 
 
 class SqsPublisher(_Sqs, BatchPublisher):

@@ -13,7 +13,6 @@ import hashlib
 import json
 import types
 import uuid
-from datetime import UTC, datetime
 from typing import Any
 
 import boto3
@@ -33,27 +32,14 @@ from relay.claimcheck.publisher import ClaimCheckPublisher
 from relay.config import BrokerURL, ClaimCheckURL
 from relay.errors import ConfigError
 from relay.outbox import WORKERS
-from relay.rows import Failure, OutboxRow
+from relay.rows import Failure
 from relay.storable import to_row
+from tests.brokers.test_contract import row
 from tests.conftest import HANDLERS, rows, wait_until
 from tests.sns_server import Sns
 from tests.sqs_server import REGION
 
-CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 POINTER = "software.amazon.payloadoffloading.PayloadS3Pointer"
-
-
-def row(
-    topic: str,
-    payload: object = None,
-    *,
-    key: str | None = None,
-    type: str | None = None,
-    headers: str = "{}",
-    n: int = 0,
-) -> OutboxRow:
-    text = orjson.dumps({"n": n} if payload is None else payload).decode()
-    return OutboxRow(str(uuid.uuid4()), n, topic, key, type, text, headers, CREATED, 0)
 
 
 def url_of(sns: Sns) -> BrokerURL:
