@@ -212,6 +212,11 @@ _SQS_QUEUE = (
     "--queue-type and --queue-arg apply to RabbitMQ only: an SQS queue's "
     "attributes are set where it is created"
 )
+# The URL kinds `relay inbox` cannot read, and why.
+PUBLISH_ONLY: dict[str, str] = {
+    "sns": "sns:// publishes only (relay outbox): relay inbox reads an SQS queue "
+    "subscribed to the SNS topic (--broker-url sqs:// --queue QUEUE)",
+}
 REFUSED_OPTIONS: dict[str, dict[str, str]] = {
     "amqp": {},
     "sqs": {
@@ -230,13 +235,14 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
 
 @dataclass(frozen=True)
 class BrokerURL:
-    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS
-    or `kafka(s)://…` for Kafka."""
+    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS,
+    `sns://…` for SNS or `kafka(s)://…` for Kafka."""
 
     url: str
-    kind: str  # "amqp", "sqs" or "kafka"
-    sqs_region: str | None = None
-    sqs_endpoint_url: str | None = None
+    kind: str  # "amqp", "sqs", "sns" or "kafka"
+    # SQS and SNS: the URL's region and endpoint_url, over boto3's own.
+    aws_region: str | None = None
+    aws_endpoint_url: str | None = None
     # RabbitMQ: the nodes to try, in order (`url` may list several).
     nodes: tuple[str, ...] = ()
     # Kafka: the librdkafka client properties the URL gives (bootstrap
@@ -283,28 +289,30 @@ class BrokerURL:
             return cls(url=url, kind="amqp", nodes=(url,))
         if parts.scheme in ("kafka", "kafkas"):
             return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
-        if parts.scheme == "sqs":
+        if parts.scheme in ("sqs", "sns"):  # the AWS settings, as boto3 resolves them
             query = urllib.parse.parse_qs(parts.query)
             unknown = set(query) - {"region", "endpoint_url"}
             if unknown:
                 raise ConfigError(
                     f"invalid broker URL {redact_url(url)!r}: unknown parameter(s) "
-                    f"{', '.join(sorted(unknown))}; sqs:// takes region and endpoint_url"
+                    f"{', '.join(sorted(unknown))}; {parts.scheme}:// takes region and "
+                    "endpoint_url"
                 )
             endpoint = query.get("endpoint_url", [None])[-1]
             if endpoint and not urllib.parse.urlsplit(endpoint).scheme.startswith("http"):
                 raise ConfigError(
-                    f"invalid SQS endpoint_url {redact_url(endpoint)!r}: expected http(s)://"
+                    f"invalid {parts.scheme.upper()} endpoint_url {redact_url(endpoint)!r}: "
+                    "expected http(s)://"
                 )
             return cls(
                 url=url,
-                kind="sqs",
-                sqs_region=query.get("region", [None])[-1],
-                sqs_endpoint_url=endpoint,
+                kind=parts.scheme,
+                aws_region=query.get("region", [None])[-1],
+                aws_endpoint_url=endpoint,
             )
         raise ConfigError(
             f"unsupported broker URL scheme {parts.scheme or redact_url(url)!r}: "
-            "use amqp://user:pass@host:port/vhost, sqs:// or kafka://host:port"
+            "use amqp://user:pass@host:port/vhost, sqs://, sns:// or kafka://host:port"
         )
 
     def __repr__(self) -> str:  # never leak the password through a repr
@@ -640,6 +648,8 @@ class InboxSettings(DaemonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.broker is not None and self.broker.kind in PUBLISH_ONLY:
+            raise ConfigError(PUBLISH_ONLY[self.broker.kind])
         if not self.queue:
             raise ConfigError("no queue: set --queue or RELAY_QUEUE")
         if self.queue_type not in (None, "classic", "quorum"):

@@ -27,6 +27,7 @@ import relay
 from relay.backoff import Backoff, sleep_unless
 from relay.brokers import kind_of
 from relay.config import (
+    PUBLISH_ONLY,
     BrokerURL,
     InboxSettings,
     OutboxSettings,
@@ -101,6 +102,11 @@ class DemoSettings:
             raise ConfigError(f"invalid --duration {self.duration}: must be 0 or more")
         if self.broker is None and not self.producer_only:
             raise ConfigError("no broker URL: set --broker-url or RELAY_BROKER_URL")
+        if self.broker is not None and not self.producer_only and self.broker.kind in PUBLISH_ONLY:
+            raise ConfigError(
+                f"relay demo runs the inbox on its broker URL too, and "
+                f"{PUBLISH_ONLY[self.broker.kind]}; run the demo on sqs:// instead"
+            )
 
     @property
     def topic(self) -> str:

@@ -1,8 +1,9 @@
 """The ports the loops talk to, and the factory that picks an adapter by URL.
 
 The outbox loop sees a Publisher; the inbox loop sees a Consumer. Neither
-knows which broker is behind it: RabbitMQ (`amqp.py`) and SQS (`sqs.py`)
-each implement both. KINDS is the factory's table, from a URL's kind
+knows which broker is behind it: RabbitMQ (`amqp.py`), SQS (`sqs.py`) and
+Kafka (`kafka.py`) each implement both, SNS (`sns.py`) only the publisher
+(what SQS and SNS share is `aws.py`). KINDS is the factory's table, from a URL's kind
 (relay.config.BrokerURL.kind) to its adapter's module and what the layers
 above need to know of that broker; a new broker is its adapter module and
 one line there. Nothing here, nor in an adapter, imports a module above the
@@ -288,6 +289,7 @@ KINDS: dict[str, Kind] = {
     "amqp": Kind("relay.brokers.amqp", system="rabbitmq", topic_is_queue=False),
     "sqs": Kind("relay.brokers.sqs", system="aws_sqs", topic_is_queue=True),
     "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True),
+    "sns": Kind("relay.brokers.sns", system="aws.sns", topic_is_queue=True),
 }
 
 

@@ -1,5 +1,6 @@
-"""The `port` fixture: each broker (RabbitMQ, SQS on moto's server, Kafka
-on Tansu, the memory broker) behind one small interface, for the contract suite.
+"""The `port` fixture: each broker (RabbitMQ, SQS on moto's server, SNS
+on the same, Kafka on Tansu, the memory broker) behind one small
+interface, for the contract suite.
 
 The adapters run in the test's own process, built as relay builds them
 (make_publisher, make_consumer, MemoryBroker). Each helper knows where a
@@ -28,6 +29,7 @@ from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, Rabbit
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
 from tests.proxy import Proxy
+from tests.sns_server import Sns, sns  # noqa: F401 - fixture
 from tests.sqs_server import REGION, Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 
 
@@ -227,6 +229,7 @@ class SqsPort:
             monkeypatch.setenv(name, value)
         endpoint = f"http://127.0.0.1:{proxy.port}"
         self.url = f"sqs://?region={REGION}&endpoint_url={urllib.parse.quote(endpoint)}"
+        self.inbox_url = self.url
 
     def topic(self, base: str, *, ordered: bool = False) -> str:
         return self.sqs.name(base, fifo=ordered)
@@ -293,7 +296,11 @@ class SqsPort:
 
     def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
         return make_consumer(
-            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+            BrokerURL.parse(self.inbox_url),
+            queue=queue,
+            exchange="relay",
+            binds=(),
+            prefetch=prefetch,
         )
 
     async def send(
@@ -328,6 +335,85 @@ class SqsPort:
     def unreachable(self) -> Publisher:
         return make_publisher(
             BrokerURL.parse(f"sqs://?region={REGION}&endpoint_url=http://127.0.0.1:1"),
+            exchange="relay",
+            workers=WORKERS,
+        )
+
+
+class SnsPort(SqsPort):
+    """SNS publishes only: what the outbox publishes is read back from an
+    SQS queue subscribed with raw message delivery; the consumer half is
+    relay's SQS consumer of a queue subscribed without it, opening SNS's
+    notification envelopes, what SNS delivers to it published to the topic."""
+
+    kind = "sns"
+
+    def __init__(self, sns: Sns, proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__(sns.sqs, proxy, monkeypatch)
+        self.sns = sns
+        for name, value in sns.env.items():
+            monkeypatch.setenv(name, value)
+        self.url = self.url.replace("sqs://", "sns://", 1)
+        self.topics: dict[str, str] = {}  # inbox queue -> its topic
+
+    async def destination(self, topic: str) -> str:
+        self.sns.topic(topic)
+        return self.sns.subscribe(topic, topic, raw=True)
+
+    async def refuse(self, publisher: Publisher, topic: str) -> str:
+        # moto fails an entry of PublishBatch whose MessageStructure is not
+        # `json`; relay never sends one, so a botocore hook adds it to the
+        # entries for the refused topic on their way out.
+        def spoil(params: dict[str, Any], **_: Any) -> None:
+            if params["TopicArn"].endswith("-refused"):
+                for entry in params["PublishBatchRequestEntries"]:
+                    entry["MessageStructure"] = "spoiled"
+
+        real_client = boto3.session.Session.client
+
+        def client(session: Any, *args: Any, **kwargs: Any) -> Any:
+            made = real_client(session, *args, **kwargs)
+            made.meta.events.register("before-parameter-build.sns.PublishBatch", spoil)
+            return made
+
+        self.monkeypatch.setattr(boto3.session.Session, "client", client)
+        refused = self.sns.name("refused")
+        await self.destination(refused)
+        return refused
+
+    async def inbox_queue(self) -> str:
+        topic = self.sns.name("in-topic")
+        self.sns.topic(topic)
+        queue = self.sns.subscribe(topic, self.sns.name("in"), raw=False)
+        self.topics[queue] = topic
+        return queue
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        await asyncio.to_thread(
+            self.sns.publish,
+            self.topics[queue],
+            body,
+            message_id=message_id,
+            type=type,
+            key=key,
+            headers=orjson.dumps(headers).decode() if headers else None,
+        )
+
+    def fallback_type(self, queue: str) -> str:
+        return self.topics[queue]  # the topic's name, from the envelope
+
+    def unreachable(self) -> Publisher:
+        return make_publisher(
+            BrokerURL.parse(f"sns://?region={REGION}&endpoint_url=http://127.0.0.1:1"),
             exchange="relay",
             workers=WORKERS,
         )
@@ -423,12 +509,12 @@ class KafkaPort:
         )
 
 
-Port = MemoryPort | AmqpPort | SqsPort | KafkaPort
+Port = MemoryPort | AmqpPort | SqsPort | SnsPort | KafkaPort
 
 
-@pytest.fixture(params=["memory", "amqp", "sqs", "kafka"])
+@pytest.fixture(params=["memory", "amqp", "sqs", "sns", "kafka"])
 def port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Port]:
-    """One broker of the four, for a test written once."""
+    """One broker of the five, for a test written once."""
     if request.param == "memory":
         yield MemoryPort()
         return
@@ -442,7 +528,10 @@ def port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     else:
         helper = request.getfixturevalue("sqs")
         proxy = Proxy(int(urllib.parse.urlsplit(helper.endpoint).port or 80))
-        target = SqsPort(helper, proxy, monkeypatch)  # type: ignore[assignment]
+        if request.param == "sns":
+            target = SnsPort(request.getfixturevalue("sns"), proxy, monkeypatch)  # type: ignore[assignment]
+        else:
+            target = SqsPort(helper, proxy, monkeypatch)  # type: ignore[assignment]
     proxy.start()
     try:
         yield target
@@ -463,6 +552,7 @@ __all__ = [
     "kafka_server",
     "memory_broker",
     "port",
+    "sns",
     "sqs",
     "sqs_server",
 ]

@@ -1,6 +1,8 @@
 """What the broker ports promise, written once and run against every adapter:
-RabbitMQ, SQS (moto's server) and the memory broker (relay.brokers.memory),
-each in this process through `Publisher` and `Consumer`.
+RabbitMQ, SQS and SNS (moto's server), Kafka and the memory broker
+(relay.brokers.memory), each in this process through `Publisher` and
+`Consumer` (SNS's consumer half: relay's SQS consumer of a queue subscribed
+to the topic, opening SNS's notification envelopes).
 
 Where the brokers differ by design (an unroutable message, a nack's
 permanence, the type's fallback), the `port` helper says what its broker does.
@@ -18,7 +20,8 @@ import pytest
 from relay.brokers import Incoming, Outcome
 from relay.errors import BrokerUnavailable
 from relay.rows import Failure, OutboxRow
-from tests.brokers.conftest import AmqpPort, KafkaPort, Port, SqsPort
+from tests.brokers.conftest import AmqpPort, KafkaPort, Port, SnsPort, SqsPort
+from tests.sqs_server import REGION
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -146,7 +149,10 @@ async def test_an_unroutable_message_is_reported_not_lost_silently(port: Port):
         finally:
             await publisher.close()
         assert results[1] is None
-        if isinstance(port, SqsPort):  # a missing queue: never published
+        if isinstance(port, SnsPort):  # a missing topic: an attempt, never created
+            assert results[0] == Failure(f"SNS topic {nowhere!r} does not exist in {REGION}")
+            assert not port.sns.exists(nowhere)
+        elif isinstance(port, SqsPort):  # a missing queue: never published
             assert results[0] == Failure(f"SQS queue {nowhere!r} does not exist")
         elif isinstance(port, KafkaPort):  # a missing topic: an attempt, never created
             assert isinstance(results[0], Failure) and not results[0].permanent
