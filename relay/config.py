@@ -230,11 +230,11 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
 
 @dataclass(frozen=True)
 class BrokerURL:
-    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS
-    or `kafka(s)://…` for Kafka."""
+    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS,
+    `kafka(s)://…` for Kafka or `redis(s)://…` for Redis Streams."""
 
     url: str
-    kind: str  # "amqp", "sqs" or "kafka"
+    kind: str  # "amqp", "sqs", "kafka" or "redis"
     sqs_region: str | None = None
     sqs_endpoint_url: str | None = None
     # RabbitMQ: the nodes to try, in order (`url` may list several).
@@ -283,6 +283,9 @@ class BrokerURL:
             return cls(url=url, kind="amqp", nodes=(url,))
         if parts.scheme in ("kafka", "kafkas"):
             return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
+        if parts.scheme in ("redis", "rediss"):
+            check_redis_url(url)
+            return cls(url=url, kind="redis")
         if parts.scheme == "sqs":
             query = urllib.parse.parse_qs(parts.query)
             unknown = set(query) - {"region", "endpoint_url"}
@@ -304,7 +307,8 @@ class BrokerURL:
             )
         raise ConfigError(
             f"unsupported broker URL scheme {parts.scheme or redact_url(url)!r}: "
-            "use amqp://user:pass@host:port/vhost, sqs:// or kafka://host:port"
+            "use amqp://user:pass@host:port/vhost, sqs://, kafka://host:port or "
+            "redis://host:port"
         )
 
     def __repr__(self) -> str:  # never leak the password through a repr
@@ -440,6 +444,36 @@ def parse_kafka_url(url: str) -> tuple[tuple[str, str], ...]:
             f"{scheme}:// needs the Kafka client, which is not installed: {KAFKA_EXTRA}"
         ) from None
     return tuple(config.items())
+
+
+# --------------------------------------------------------------------------
+# redis:// and rediss://
+# --------------------------------------------------------------------------
+
+REDIS_EXTRA = "pip install 'relay-outbox[redis]'"
+
+
+def check_redis_url(url: str) -> None:
+    """`redis(s)://[[USER]:PASSWORD@]HOST:PORT[/DB][?…]` as redis-py reads
+    it (its own parser, so that relay takes what redis-py takes), or
+    ConfigError naming what is wrong; ConfigError naming the extra when
+    redis-py is not installed."""
+    shown = redact_url(url)
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise ConfigError(f"invalid broker URL {shown!r}: no host")
+    if "," in parts.netloc:
+        raise ConfigError(f"invalid broker URL {shown!r}: a Redis URL names one server")
+    try:
+        from redis.connection import parse_url
+    except ImportError:
+        raise ConfigError(
+            f"{parts.scheme}:// needs the Redis client, which is not installed: {REDIS_EXTRA}"
+        ) from None
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid broker URL {shown!r}: {exc}") from None
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
@@ -606,9 +640,16 @@ class OutboxSettings(DaemonSettings):
     on_unroutable: str = "publish"
     # Every message also a CloudEvent with this source (relay.cloudevents); None: off.
     cloudevents_source: str | None = None
+    # Redis Streams: XADD's `MAXLEN ~ N` (None: the streams grow).
+    stream_maxlen: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.stream_maxlen is not None:
+            if self.stream_maxlen <= 0:
+                raise ConfigError(f"invalid --stream-maxlen {self.stream_maxlen}: must be positive")
+            if self.broker is not None and self.broker.kind != "redis":
+                raise ConfigError("--stream-maxlen applies to Redis Streams (redis://) only")
         if self.on_unroutable not in ("publish", "fail"):
             raise ConfigError(
                 f"invalid --on-unroutable {self.on_unroutable!r}: use publish or fail"
@@ -637,6 +678,9 @@ class InboxSettings(DaemonSettings):
     # queue its owner declared otherwise is used as it is.
     queue_type: str | None = None
     queue_args: tuple[tuple[str, str | int], ...] = ()
+    # Redis Streams: seconds an entry delivered to a consumer of the group
+    # stays unacknowledged before another consumer claims it.
+    claim_idle: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -662,15 +706,24 @@ class InboxSettings(DaemonSettings):
         ):
             if given and option in refused:
                 raise ConfigError(refused[option])
-        kafka = self.broker is not None and self.broker.kind == "kafka"
-        if kafka and not all(t.strip() for t in self.queue.split(",")):
-            raise ConfigError(f"invalid --queue {self.queue!r}: list Kafka topics as TOPIC,TOPIC")
+        # Kafka's topics and Redis's streams: --queue is a list.
+        kind = self.broker.kind if self.broker is not None else None
+        listed = kind in ("kafka", "redis")
+        if listed and not all(t.strip() for t in self.queue.split(",")):
+            what = (
+                "Kafka topics as TOPIC,TOPIC"
+                if kind == "kafka"
+                else "Redis streams as STREAM,STREAM"
+            )
+            raise ConfigError(f"invalid --queue {self.queue!r}: list {what}")
         if not self.consumer_name:
-            # Kafka: the consumer group (and dedup scope) is the first topic's name.
-            first = self.queue.split(",")[0].strip() if kafka else self.queue
+            # Kafka and Redis: the consumer group (and dedup scope) is the
+            # first topic's or stream's name.
+            first = self.queue.split(",")[0].strip() if listed else self.queue
             object.__setattr__(self, "consumer_name", first)
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
+        _positive("claim-idle", self.claim_idle)
 
 
 _INTEGER = re.compile(r"^[+-]?[0-9]+$")
