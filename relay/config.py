@@ -225,6 +225,11 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
         "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Kafka "
         "consumer reads the topics --queue lists",
     ),
+    "redis": dict.fromkeys(
+        ("--queue-type", "--queue-arg", "--bind"),
+        "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Redis "
+        "consumer group reads the streams --queue lists",
+    ),
 }
 
 
@@ -464,6 +469,11 @@ def check_redis_url(url: str) -> None:
         raise ConfigError(f"invalid broker URL {shown!r}: no host")
     if "," in parts.netloc:
         raise ConfigError(f"invalid broker URL {shown!r}: a Redis URL names one server")
+    if not re.fullmatch(r"/?[0-9]*", parts.path):
+        # redis-py would ignore it and use database 0.
+        raise ConfigError(
+            f"invalid broker URL {shown!r}: the path is the database number (/0, /1, …)"
+        )
     try:
         from redis.connection import parse_url
     except ImportError:
