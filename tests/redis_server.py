@@ -192,4 +192,3 @@ def redis_streams(redis_server: RedisServer) -> Iterator[Redis]:
         yield helper
     finally:
         helper.close()
-
