@@ -96,6 +96,14 @@ class RedisServer:
         """relay's --broker-url: through the proxy (or straight to the server)."""
         return f"redis://127.0.0.1:{self.port if direct else self.proxy.port}/0"
 
+    def client_entries(self, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Every entry of a stream, read straight from the server."""
+        client = redis.Redis(port=self.port, socket_timeout=10)
+        try:
+            return [(entry_id, fields) for entry_id, fields in client.xrange(stream)]
+        finally:
+            client.close()
+
     def close(self) -> None:
         self.proxy.close()
         self.stop()
