@@ -5,10 +5,11 @@ entries a dead consumer left pending claimed with XAUTOCLAIM after
 
 Two tasks on the event loop feed the buffer that batches() hands out: the
 reader (first this consumer's own pending entries, after a reconnect, then
-new ones with a blocking XREADGROUP) and the claimer (every half
---claim-idle: XAUTOCLAIM of entries idle that long, and XCLAIM of the
-entries this process holds, which keeps them its own while the rows are
-stored slowly: SQS's visibility extension, relay.brokers.sqs). Both stop
+new ones with a blocking XREADGROUP) and the claimer (every quarter of
+--claim-idle, 5 s at most: XAUTOCLAIM of entries idle that long, and
+XCLAIM of the entries this process holds, which keeps them its own while
+their rows are stored slowly, as SQS's visibility extension in
+relay.brokers.sqs does). Both stop
 reading while the entries held (received, not acknowledged) reach
 --prefetch or about `max_bytes`.
 """
@@ -189,6 +190,8 @@ class RedisConsumer:
         # Received and not acknowledged: token -> [size, when last claimed (monotonic)]
         self._held: dict[Token, list[float]] = {}
         self._held_bytes = 0
+        # The entries' size so far (a moving average), for how many to ask for.
+        self._each: float | None = None
         self._failure: BaseException | None = None
 
     @property
@@ -300,11 +303,13 @@ class RedisConsumer:
         return self._failure is not None
 
     def _count(self, most: int) -> int:
-        """How many entries to ask for: the room left, by count and bytes."""
+        """How many entries to ask for: the room left, by count and by bytes
+        at the size entries had so far (one, before any was seen)."""
         room = self.max_held - len(self._held)
-        if self.max_bytes is not None and self._held:
-            each = max(1, self._held_bytes // len(self._held))
-            room = min(room, (self.max_bytes - self._held_bytes) // each)
+        if self.max_bytes is not None:
+            if self._each is None:
+                return 1
+            room = min(room, int((self.max_bytes - self._held_bytes) // self._each))
         return max(1, min(most, room))
 
     def _update_room(self) -> None:
@@ -331,6 +336,7 @@ class RedisConsumer:
                 gone.append(token)
                 continue
             size = _size(pairs)
+            self._each = size if self._each is None else 0.8 * self._each + 0.2 * size
             self._held[token] = [size, now]
             self._held_bytes += size
             try:
@@ -387,10 +393,12 @@ class RedisConsumer:
                 self._take(self._by_name.get(name, _text(name)), entries, [])
 
     async def _claim(self, client: aioredis.Redis) -> None:
-        every = max(0.05, min(self.claim_idle / 2, 5.0))
+        # What this process holds is claimed again (_keep) once held this
+        # long, so never idle more than half claim_idle.
+        every = max(0.05, min(self.claim_idle / 4, 5.0))
         idle_ms = max(1, int(self.claim_idle * 1000))
         while True:
-            await self._keep(client)
+            await self._keep(client, every)
             for stream in self.streams:
                 cursor: Any = b"0-0"
                 while True:
@@ -419,14 +427,14 @@ class RedisConsumer:
                         break
             await asyncio.sleep(every)
 
-    async def _keep(self, client: aioredis.Redis) -> None:
-        """The entries held for a third of claim_idle claimed again by this
-        consumer (their idle time starts over): no other consumer takes
-        them while their rows are being stored."""
+    async def _keep(self, client: aioredis.Redis, after: float) -> None:
+        """The entries held `after` seconds or more claimed again by this
+        consumer (their idle time starts over, their delivery count stays):
+        no other consumer takes them while their rows are being stored."""
         now = time.monotonic()
         due: dict[str, list[Any]] = {}
         for token, state in list(self._held.items()):
-            if now - state[1] >= self.claim_idle / 3:
+            if now - state[1] >= after:
                 due.setdefault(token.stream, []).append(token.entry_id)
                 state[1] = now
         for stream, ids in due.items():
