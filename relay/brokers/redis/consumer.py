@@ -253,8 +253,9 @@ class RedisConsumer:
         if client is None:
             return
         try:
-            async with asyncio.timeout(5):
-                await self._let_go(client, held)
+            if self._failure is None:  # else the connection is gone: they stay
+                async with asyncio.timeout(5):  # pending, this process's own
+                    await self._let_go(client, held)
         except Exception as exc:  # noqa: BLE001 - closing: they are claimed after claim_idle
             log.debug("closing the Redis consumer: %s", describe(exc))
         with contextlib.suppress(Exception):
@@ -321,10 +322,12 @@ class RedisConsumer:
         else:
             self._room.set()
 
-    def _take(self, stream: str, entries: Any, gone: list[Token]) -> None:
+    def _take(self, stream: str, entries: Any, gone: list[Token]) -> int:
         """Entries (id, [name, value, …]) into the buffer; one already held is
-        skipped, one deleted since it was delivered (no fields) is `gone`."""
+        skipped, one deleted since it was delivered (no fields) is `gone`.
+        How many were taken."""
         now = time.monotonic()
+        taken = 0
         for entry in entries or ():
             if entry is None:  # Redis 6.2's XAUTOCLAIM: deleted, its id not given
                 continue
@@ -344,9 +347,11 @@ class RedisConsumer:
             except Exception as exc:  # noqa: BLE001 - one entry never stops the consumer
                 message = unreadable(token, f"{type(exc).__name__}: {exc}")
             self._buffer.append(message)
+            taken += 1
         self._update_room()
         if self._buffer:
             self._arrived.set()
+        return taken
 
     async def _forget(self, client: aioredis.Redis, gone: list[Token]) -> None:
         """Acknowledge entries deleted (trimmed) before they were stored:
@@ -398,11 +403,10 @@ class RedisConsumer:
         every = max(0.05, min(self.claim_idle / 4, 5.0))
         idle_ms = max(1, int(self.claim_idle * 1000))
         while True:
-            await self._keep(client, every)
+            await self._keep(client, every)  # even while full: what is held stays
             for stream in self.streams:
                 cursor: Any = b"0-0"
-                while True:
-                    await self._room.wait()
+                while self._room.is_set():  # full: claimed on a later round
                     reply = await client.xautoclaim(
                         stream,
                         self.group,
@@ -412,14 +416,13 @@ class RedisConsumer:
                         count=self._count(CLAIM_COUNT),
                     )
                     cursor, entries = reply[0], reply[1]
-                    before = len(self._buffer)
                     gone: list[Token] = []
-                    self._take(stream, entries, gone)
+                    taken = self._take(stream, entries, gone)
                     await self._forget(client, gone)
-                    if len(self._buffer) > before:
+                    if taken:
                         log.info(
                             "claimed %d entries of Redis stream %r idle over %gs",
-                            len(self._buffer) - before,
+                            taken,
                             stream,
                             self.claim_idle,
                         )
