@@ -230,16 +230,22 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
         "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Kafka "
         "consumer reads the topics --queue lists",
     ),
+    "redis": dict.fromkeys(
+        ("--queue-type", "--queue-arg", "--bind"),
+        "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Redis "
+        "consumer group reads the streams --queue lists",
+    ),
 }
 
 
 @dataclass(frozen=True)
 class BrokerURL:
     """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS,
-    `sns://…` for SNS or `kafka(s)://…` for Kafka."""
+    `sns://…` for SNS, `kafka(s)://…` for Kafka or `redis(s)://…` for Redis
+    Streams."""
 
     url: str
-    kind: str  # "amqp", "sqs", "sns" or "kafka"
+    kind: str  # "amqp", "sqs", "sns", "kafka" or "redis"
     # SQS and SNS: the URL's region and endpoint_url, over boto3's own.
     aws_region: str | None = None
     aws_endpoint_url: str | None = None
@@ -289,6 +295,9 @@ class BrokerURL:
             return cls(url=url, kind="amqp", nodes=(url,))
         if parts.scheme in ("kafka", "kafkas"):
             return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
+        if parts.scheme in ("redis", "rediss"):
+            check_redis_url(url)
+            return cls(url=url, kind="redis")
         if parts.scheme in ("sqs", "sns"):  # the AWS settings, as boto3 resolves them
             query = urllib.parse.parse_qs(parts.query)
             unknown = set(query) - {"region", "endpoint_url"}
@@ -312,7 +321,8 @@ class BrokerURL:
             )
         raise ConfigError(
             f"unsupported broker URL scheme {parts.scheme or redact_url(url)!r}: "
-            "use amqp://user:pass@host:port/vhost, sqs://, sns:// or kafka://host:port"
+            "use amqp://user:pass@host:port/vhost, sqs://, sns://, kafka://host:port or "
+            "redis://host:port"
         )
 
     def __repr__(self) -> str:  # never leak the password through a repr
@@ -448,6 +458,41 @@ def parse_kafka_url(url: str) -> tuple[tuple[str, str], ...]:
             f"{scheme}:// needs the Kafka client, which is not installed: {KAFKA_EXTRA}"
         ) from None
     return tuple(config.items())
+
+
+# --------------------------------------------------------------------------
+# redis:// and rediss://
+# --------------------------------------------------------------------------
+
+REDIS_EXTRA = "pip install 'relay-outbox[redis]'"
+
+
+def check_redis_url(url: str) -> None:
+    """`redis(s)://[[USER]:PASSWORD@]HOST:PORT[/DB][?…]` as redis-py reads
+    it (its own parser, so that relay takes what redis-py takes), or
+    ConfigError naming what is wrong; ConfigError naming the extra when
+    redis-py is not installed."""
+    shown = redact_url(url)
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise ConfigError(f"invalid broker URL {shown!r}: no host")
+    if "," in parts.netloc:
+        raise ConfigError(f"invalid broker URL {shown!r}: a Redis URL names one server")
+    if not re.fullmatch(r"/?[0-9]*", parts.path):
+        # redis-py would ignore it and use database 0.
+        raise ConfigError(
+            f"invalid broker URL {shown!r}: the path is the database number (/0, /1, …)"
+        )
+    try:
+        from redis.connection import parse_url
+    except ImportError:
+        raise ConfigError(
+            f"{parts.scheme}:// needs the Redis client, which is not installed: {REDIS_EXTRA}"
+        ) from None
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid broker URL {shown!r}: {exc}") from None
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
@@ -614,9 +659,16 @@ class OutboxSettings(DaemonSettings):
     on_unroutable: str = "publish"
     # Every message also a CloudEvent with this source (relay.cloudevents); None: off.
     cloudevents_source: str | None = None
+    # Redis Streams: XADD's `MAXLEN ~ N` (None: the streams grow).
+    stream_maxlen: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.stream_maxlen is not None:
+            if self.stream_maxlen <= 0:
+                raise ConfigError(f"invalid --stream-maxlen {self.stream_maxlen}: must be positive")
+            if self.broker is not None and self.broker.kind != "redis":
+                raise ConfigError("--stream-maxlen applies to Redis Streams (redis://) only")
         if self.on_unroutable not in ("publish", "fail"):
             raise ConfigError(
                 f"invalid --on-unroutable {self.on_unroutable!r}: use publish or fail"
@@ -645,6 +697,9 @@ class InboxSettings(DaemonSettings):
     # queue its owner declared otherwise is used as it is.
     queue_type: str | None = None
     queue_args: tuple[tuple[str, str | int], ...] = ()
+    # Redis Streams: seconds an entry delivered to a consumer of the group
+    # stays unacknowledged before another consumer claims it.
+    claim_idle: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -672,15 +727,24 @@ class InboxSettings(DaemonSettings):
         ):
             if given and option in refused:
                 raise ConfigError(refused[option])
-        kafka = self.broker is not None and self.broker.kind == "kafka"
-        if kafka and not all(t.strip() for t in self.queue.split(",")):
-            raise ConfigError(f"invalid --queue {self.queue!r}: list Kafka topics as TOPIC,TOPIC")
+        # Kafka's topics and Redis's streams: --queue is a list.
+        kind = self.broker.kind if self.broker is not None else None
+        listed = kind in ("kafka", "redis")
+        if listed and not all(t.strip() for t in self.queue.split(",")):
+            what = (
+                "Kafka topics as TOPIC,TOPIC"
+                if kind == "kafka"
+                else "Redis streams as STREAM,STREAM"
+            )
+            raise ConfigError(f"invalid --queue {self.queue!r}: list {what}")
         if not self.consumer_name:
-            # Kafka: the consumer group (and dedup scope) is the first topic's name.
-            first = self.queue.split(",")[0].strip() if kafka else self.queue
+            # Kafka and Redis: the consumer group (and dedup scope) is the
+            # first topic's or stream's name.
+            first = self.queue.split(",")[0].strip() if listed else self.queue
             object.__setattr__(self, "consumer_name", first)
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
+        _positive("claim-idle", self.claim_idle)
 
 
 _INTEGER = re.compile(r"^[+-]?[0-9]+$")

@@ -29,6 +29,7 @@ from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, Rabbit
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
 from tests.proxy import Proxy
+from tests.redis_server import Redis, redis_server, redis_streams  # noqa: F401 - fixtures
 from tests.sns_server import Sns, sns  # noqa: F401 - fixture
 from tests.sqs_server import REGION, Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 
@@ -509,14 +510,105 @@ class KafkaPort:
         )
 
 
-Port = MemoryPort | AmqpPort | SqsPort | SnsPort | KafkaPort
+class RedisPort:
+    kind = "redis"
+    RELAY_FIELDS = (b"id", b"payload", b"type", b"key", b"headers")
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.url = redis.url()
+
+    def topic(self, base: str, *, ordered: bool = False) -> str:
+        return self.redis.name(base)
+
+    async def destination(self, topic: str) -> str:
+        return topic  # XADD makes the stream
+
+    def publisher(self, *, on_unroutable: str = "publish") -> Publisher:
+        return make_publisher(
+            BrokerURL.parse(self.url),
+            exchange="relay",
+            workers=WORKERS,
+            on_unroutable=on_unroutable,
+        )
+
+    async def read(self, dest: str, count: int) -> list[Received]:
+        got = []
+        for _, fields in await asyncio.to_thread(self.redis.read, dest):
+            text = {n.decode(): v.decode() for n, v in fields.items() if n != b"payload"}
+            got.append(
+                Received(
+                    fields[b"payload"],
+                    text.get("id"),
+                    text.get("type"),
+                    text.get("key"),
+                    orjson.loads(text["headers"]) if "headers" in text else {},
+                    fields,
+                )
+            )
+        assert len(got) == count, f"{len(got)} entries in {dest}, not {count}"
+        return got
+
+    async def refuse(self, publisher: Publisher, topic: str) -> str:
+        # A key that holds a string: XADD to it is refused (WRONGTYPE).
+        refused = self.redis.name("refused")
+        await asyncio.to_thread(self.redis.client.set, refused, "not a stream")
+        return refused
+
+    async def inbox_queue(self) -> str:
+        return self.redis.name("in")  # the group is made at the stream's first entry
+
+    def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
+        return make_consumer(
+            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+        )
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        await asyncio.to_thread(
+            self.redis.send,
+            queue,
+            body,
+            message_id=message_id,
+            type=type,
+            key=key,
+            headers=headers,
+        )
+
+    def fallback_type(self, queue: str) -> str:
+        return queue  # the stream
+
+    def go_down(self) -> None:
+        self.redis.proxy.stop()
+
+    def come_back(self) -> None:
+        self.redis.proxy.start()
+
+    def unreachable(self) -> Publisher:
+        return make_publisher(
+            BrokerURL.parse("redis://app:s3cret@127.0.0.1:1/0"), exchange="relay", workers=WORKERS
+        )
 
 
-@pytest.fixture(params=["memory", "amqp", "sqs", "sns", "kafka"])
+Port = MemoryPort | AmqpPort | SqsPort | SnsPort | KafkaPort | RedisPort
+
+
+@pytest.fixture(params=["memory", "amqp", "sqs", "sns", "kafka", "redis"])
 def port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Port]:
-    """One broker of the five, for a test written once."""
+    """Each broker in turn, for a test written once."""
     if request.param == "memory":
         yield MemoryPort()
+        return
+    if request.param == "redis":  # its proxy is the server's own (tests/redis_server.py)
+        yield RedisPort(request.getfixturevalue("redis_streams"))
         return
     if request.param == "kafka":  # its proxy is the broker's own (tests/kafka_server.py)
         yield KafkaPort(request.getfixturevalue("kafka"))
@@ -552,6 +644,8 @@ __all__ = [
     "kafka_server",
     "memory_broker",
     "port",
+    "redis_server",
+    "redis_streams",
     "sns",
     "sqs",
     "sqs_server",

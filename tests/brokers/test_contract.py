@@ -20,7 +20,7 @@ import pytest
 from relay.brokers import Incoming, Outcome
 from relay.errors import BrokerUnavailable
 from relay.rows import Failure, OutboxRow
-from tests.brokers.conftest import AmqpPort, KafkaPort, Port, SnsPort, SqsPort
+from tests.brokers.conftest import AmqpPort, KafkaPort, Port, RedisPort, SnsPort, SqsPort
 from tests.sqs_server import REGION
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -103,6 +103,10 @@ async def test_a_batch_is_confirmed_row_by_row_carrying_id_type_key_and_headers(
         assert dict(record.headers())["content-type"] == b"application/json"
         assert record.timestamp()[1] == int(CREATED.timestamp() * 1000)
         assert [n for n, _ in got[plain.id].raw.headers()] == ["id", "content-type"]
+    if isinstance(port, RedisPort):  # the fields, in this order, and no other
+        assert list(got[full.id].raw) == [b"id", b"payload", b"type", b"key", b"headers"]
+        assert got[full.id].raw[b"headers"] == b'{"traceparent":"00-abc-def-01"}'
+        assert list(got[plain.id].raw) == [b"id", b"payload"]
 
 
 async def test_a_keys_messages_arrive_in_the_order_of_the_batch(port: Port):
@@ -158,12 +162,16 @@ async def test_an_unroutable_message_is_reported_not_lost_silently(port: Port):
             assert isinstance(results[0], Failure) and not results[0].permanent
             assert "does not exist" in results[0].error and repr(nowhere) in results[0].error
             assert not port.kafka.exists(nowhere)
+        elif isinstance(port, RedisPort):  # XADD makes the stream: published
+            assert results[0] is None
         elif on_unroutable == "publish":  # pub/sub: confirmed, counted as unroutable
             assert results[0] is Outcome.UNROUTABLE
         else:
             assert isinstance(results[0], Failure) and not results[0].permanent
             assert "unroutable" in results[0].error and repr(nowhere) in results[0].error
     assert len(await port.read(dest, 2)) == 2
+    if isinstance(port, RedisPort):
+        assert len(await port.read(nowhere, 2)) == 2
 
 
 async def test_rows_no_broker_can_carry_fail_for_good_and_alone(port: Port):
@@ -252,6 +260,9 @@ async def test_a_received_message_carries_id_type_key_headers_and_the_type_fallb
         await consumer.close()
     if isinstance(port, KafkaPort):  # no id: the record's own place in the log
         got[None] = got.pop(f"kafka:{queue}:0:2")
+    if isinstance(port, RedisPort):  # no id: the entry's own place in the stream
+        [place] = [m for m in got if m and m.startswith(f"redis:{queue}:")]
+        got[None] = got.pop(place)
     first, second, third = got["m-1"], got["m-2"], got[None]
     assert (first.body, first.type, first.key) == (b'{"n": 5}', "Effect", "order-5")
     assert first.headers.get("traceparent") == "00-aa-bb-01"

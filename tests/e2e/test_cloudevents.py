@@ -30,8 +30,16 @@ from hypothesis import strategies as st
 
 import relay
 from tests.conftest import rows, wait_until
-from tests.e2e.test_brokers import AmqpBroker, KafkaBroker, Received, SqsBroker, wait_drained
+from tests.e2e.test_brokers import (
+    AmqpBroker,
+    KafkaBroker,
+    Received,
+    RedisBroker,
+    SqsBroker,
+    wait_drained,
+)
 from tests.kafka_server import kafka, kafka_server  # noqa: F401 - fixtures
+from tests.redis_server import redis_server, redis_streams  # noqa: F401 - fixtures
 from tests.sqs_server import sqs, sqs_server  # noqa: F401 - fixtures
 
 HANDLERS = "tests.apps.cloudevent_handlers:registry"
@@ -255,13 +263,39 @@ class KafkaSide(KafkaBroker):
         return event
 
 
-Side = AmqpSide | SqsSide | KafkaSide
+class RedisSide(RedisBroker):
+    modes = ("structured",)  # the contract's binding: the event as JSON in `payload`
+    ordered = True  # one stream, one consumer: the inbox's rows in the order sent
+    examples = 12
+    retries: Any = 2  # the event's JSON keeps an integer
+
+    async def send_event(self, queue: str, mode: str, event: SdkEvent) -> None:
+        await self.send_raw(
+            queue, Raw(JSONFormat().write(event), None, content_type=JSONFormat.CONTENT_TYPE)
+        )
+
+    async def send_raw(self, queue: str, raw: Raw) -> None:
+        assert raw.attributes is None, "Redis events are structured"
+        given = {"id": raw.message_id, "type": raw.type, "content-type": raw.content_type}
+        fields = [("payload", raw.body), *((n, v) for n, v in given.items() if v is not None)]
+        await asyncio.to_thread(self.redis.add, queue, fields)
+
+    def sdk_read(self, message: Received, row: Any) -> SdkEvent:
+        assert message.raw[b"content-type"] == b"application/cloudevents+json"
+        # relay's own fields as before.
+        assert message.key == row[2] and message.type == row[3]
+        return JSONFormat().read(SdkEvent, message.body)
 
 
-@pytest.fixture(params=["amqp", "sqs", "kafka"])
+Side = AmqpSide | SqsSide | KafkaSide | RedisSide
+
+
+@pytest.fixture(params=["amqp", "sqs", "kafka", "redis"])
 def side(request: pytest.FixtureRequest) -> Side:
     if request.param == "amqp":
         return AmqpSide(request.getfixturevalue("rabbit"))
+    if request.param == "redis":
+        return RedisSide(request.getfixturevalue("redis_streams"))
     if request.param == "sqs":
         return SqsSide(request.getfixturevalue("sqs"))
     return KafkaSide(request.getfixturevalue("kafka"))
@@ -307,7 +341,7 @@ async def test_outbox_messages_are_events_the_sdk_reads(engine, side, run_relay)
         _check_sdk_attributes(event.get_attributes(), row)
         payload = {"order_id": 7, "big": 12345678901234567890123} if row[2] else {"n": 2}
         assert event.get_data() == payload
-        if side.kind != "sqs":  # binary mode: the body is the payload itself
+        if "binary" in side.modes:  # binary mode: the body is the payload itself
             assert json.loads(message.body) == payload
 
 

@@ -136,7 +136,7 @@ def test_broker_url_sqs():
 @pytest.mark.parametrize(
     ("url", "message"),
     [
-        ("redis://h:6379", "unsupported broker URL scheme"),
+        ("mqtt://h:1883", "unsupported broker URL scheme"),
         ("sqs://?region=eu-west-1&queue=x", "unknown parameter"),
         ("sqs://?endpoint_url=ftp://x", "endpoint_url"),
         ("amqp://guest:guest@rabbit:notaport/", "invalid broker URL"),
