@@ -5,7 +5,7 @@ around the broker's publisher (outside the claim check's, so that a large
 structured event goes to S3 whole). It turns each row into the event in
 the binding of the broker it goes to (BINDINGS, by BrokerURL.kind):
 
-- binary mode (RabbitMQ, Kafka): the attributes as message attributes
+- binary mode (RabbitMQ, Kafka, NATS): the attributes as message attributes
   (relay.rows.OutboxRow.attributes: `cloudEvents_id`, `ce_id`, ...), the
   body as it is; `datacontenttype` is the content type the adapter already
   sets (application/json);
@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from relay.brokers import Incoming, Publisher, PublisherWrapper, PublishResult
+from relay.brokers import KINDS, Incoming, Publisher, PublisherWrapper, PublishResult
 from relay.errors import ContentError
 from relay.rows import OutboxRow
 from relay.storable import loads
@@ -80,15 +80,11 @@ class Binding:
         return bool(self.prefixes)
 
 
-# By BrokerURL.kind. RabbitMQ: the AMQP binding as the CloudEvents SDKs
-# write it (application properties are AMQP 0-9-1 headers); Kafka: the
-# Kafka binding; SQS has no binding of its own: structured mode, the JSON
-# event format, in the body.
-BINDINGS: dict[str, Binding] = {
-    "amqp": Binding(("cloudEvents_", "cloudEvents:")),
-    "kafka": Binding(("ce_",)),
-    "sqs": Binding(()),
-}
+# By BrokerURL.kind, as the kinds table (relay.brokers.KINDS) says. RabbitMQ:
+# the AMQP binding as the CloudEvents SDKs write it (application properties
+# are AMQP 0-9-1 headers); Kafka and NATS: `ce_` headers; SQS has no
+# binding of its own: structured mode, the JSON event format, in the body.
+BINDINGS: dict[str, Binding] = {name: Binding(kind.cloudevents) for name, kind in KINDS.items()}
 STRUCTURED = Binding(())
 
 
