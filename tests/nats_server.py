@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import nats
 import pytest
 from nats.aio.client import Client
-from nats.js.api import StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 
 from tests.conftest import free_port
 from tests.proxy import Proxy
@@ -185,6 +185,37 @@ class Nats:
 
         return await self._with_client(send)
 
+    async def publish_many(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
+        """Messages as nats-py sends them, 256 acknowledgements awaited at once."""
+
+        async def send(client: Client) -> None:
+            js = client.jetstream()
+            for start in range(0, len(messages), 256):
+                await asyncio.gather(
+                    *(
+                        js.publish(subject, data, headers=headers)
+                        for subject, data, headers in messages[start : start + 256]
+                    )
+                )
+
+        await self._with_client(send)
+
+    async def add_consumer(self, stream: str, name: str, **config: Any) -> None:
+        """A durable pull consumer as relay makes one, with `config` besides."""
+
+        async def make(client: Client) -> None:
+            await client.jetstream().add_consumer(
+                stream,
+                ConsumerConfig(
+                    durable_name=name,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    **config,
+                ),
+            )
+
+        await self._with_client(make)
+
     async def publish_raw(self, messages: list[tuple[bytes, bytes | None, bytes]]) -> None:
         """Messages written on the wire byte by byte (HPUB): (subject, header
         block or None, data), as no client library would send them; each
@@ -221,9 +252,12 @@ class Nats:
             js = client.jetstream()
             info = await js.stream_info(stream)
             first, last = info.state.first_seq, info.state.last_seq
+            if not info.state.messages:
+                return []
             got = []
-            for seq in range(first, last + 1):
-                got.append(await js.get_msg(stream, seq))
+            for start in range(first, last + 1, 500):  # 500 requests in flight at once
+                seqs = range(start, min(start + 500, last + 1))
+                got += await asyncio.gather(*(js.get_msg(stream, seq) for seq in seqs))
             return got
 
         return await self._with_client(read)

@@ -419,7 +419,7 @@ class NatsConsumer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         client = self._client
-        if client is not None and client.is_connected and self._failure is None:
+        if client is not None and client.is_connected and self._failure is None and self._held:
             # What was received and not stored is given back (-NAK) for
             # redelivery at once, but only once this connection's pull
             # request has ended: the server would hand it to that request
