@@ -289,9 +289,9 @@ def test_hostile_messages_are_dead_rows_acknowledged_and_the_canaries_handled(
 _NAME_BYTES = st.binary(min_size=1, max_size=10).filter(
     lambda b: not (set(b) & set(b"\r\n:")) and b.strip() and not b.strip().startswith(b"Nats-")
 )
-_VALUE_BYTES = st.binary(max_size=12).filter(lambda b: not (set(b) & set(b"\r\n"))) | st.sampled_from(
-    [b"\xff\xfe", b"a\x00b", b"\xc3\x28"]
-)
+_VALUE_BYTES = st.binary(max_size=12).filter(
+    lambda b: not (set(b) & set(b"\r\n"))
+) | st.sampled_from([b"\xff\xfe", b"a\x00b", b"\xc3\x28"])
 _RAW_MESSAGES = st.lists(
     st.tuples(
         st.lists(st.tuples(_NAME_BYTES, _VALUE_BYTES), max_size=4),
