@@ -74,6 +74,10 @@ class Binding:
     prefixes (the first one written), or structured mode (no prefixes)."""
 
     prefixes: tuple[str, ...]
+    # Binary mode: the header that holds datacontenttype, written here when
+    # it is not the one the adapter already sets (NATS: `content-type`
+    # beside its own `Content-Type`).
+    content_type: str | None = None
 
     @property
     def binary(self) -> bool:
@@ -82,9 +86,12 @@ class Binding:
 
 # By BrokerURL.kind, as the kinds table (relay.brokers.KINDS) says. RabbitMQ:
 # the AMQP binding as the CloudEvents SDKs write it (application properties
-# are AMQP 0-9-1 headers); Kafka and NATS: `ce_` headers; SQS has no
+# are AMQP 0-9-1 headers); Kafka and NATS: `ce_` headers (NATS: `ce-` too,
+# as the Go SDK writes its NATS binding, read); SQS has no
 # binding of its own: structured mode, the JSON event format, in the body.
-BINDINGS: dict[str, Binding] = {name: Binding(kind.cloudevents) for name, kind in KINDS.items()}
+BINDINGS: dict[str, Binding] = {
+    name: Binding(kind.cloudevents, kind.cloudevents_content_type) for name, kind in KINDS.items()
+}
 STRUCTURED = Binding(())
 
 
@@ -163,10 +170,12 @@ class CloudEventsPublisher(PublisherWrapper):
         self._traceparent = prefix + "traceparent"
         # The same two pairs on every row: made once (fewer objects a row,
         # fewer garbage collections in the drain).
-        self._constant = (
+        self._constant: tuple[tuple[str, str | int], ...] = (
             (self._names["specversion"], SPECVERSION),
             (self._names["source"], source),
         )
+        if binding.binary and binding.content_type:
+            self._constant += ((binding.content_type, DATA_TYPE),)
 
     def attributes(self, row: OutboxRow) -> tuple[tuple[str, str | int], ...]:
         """The event's attributes for a row, but its data and (binary mode:

@@ -169,9 +169,9 @@ class Nats:
         return stream
 
     async def stream(self, base: str = "s", **config: Any) -> tuple[str, str]:
-        """A new stream capturing `SUBJECT.>`: (stream, SUBJECT)."""
+        """A new stream capturing `SUBJECT` and `SUBJECT.>`: (stream, SUBJECT)."""
         name = self.name(base)
-        await self.create(name, [f"{name}.>"], **config)
+        await self.create(name, [name, f"{name}.>"], **config)
         return name, name
 
     async def publish(

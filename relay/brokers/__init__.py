@@ -283,6 +283,9 @@ class Kind:
     # CloudEvents' binary mode on this broker: the attributes' header
     # prefixes (the first one written); none: structured mode (relay.cloudevents).
     cloudevents: tuple[str, ...] = ()
+    # Binary mode: the header for datacontenttype, when the adapter's own
+    # content type header is not it.
+    cloudevents_content_type: str | None = None
 
 
 # The factory's table: URL kind -> adapter. A new broker adds its line here,
@@ -296,7 +299,13 @@ KINDS: dict[str, Kind] = {
     ),
     "sqs": Kind("relay.brokers.sqs", system="aws_sqs", topic_is_queue=True),
     "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True, cloudevents=("ce_",)),
-    "nats": Kind("relay.brokers.nats", system="nats", topic_is_queue=True, cloudevents=("ce_",)),
+    "nats": Kind(
+        "relay.brokers.nats",
+        system="nats",
+        topic_is_queue=True,
+        cloudevents=("ce_", "ce-"),
+        cloudevents_content_type="content-type",
+    ),
 }
 
 

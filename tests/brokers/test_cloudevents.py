@@ -158,7 +158,8 @@ def test_the_binding_table_names_every_broker():
     assert set(BINDINGS) == set(KINDS)
     assert binding("amqp").prefixes[0] == "cloudEvents_"
     assert binding("kafka").prefixes == ("ce_",)
-    assert binding("nats").prefixes == ("ce_",)
+    assert binding("nats").prefixes == ("ce_", "ce-")
+    assert binding("nats").content_type == "content-type"
     assert not binding("sqs").binary
 
 
