@@ -4,6 +4,7 @@ suite (tests/brokers/test_contract.py) does not say about NATS, and its URL."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import uuid
@@ -19,7 +20,8 @@ from relay.config import BrokerURL, InboxSettings, redact_url
 from relay.errors import BrokerUnavailable, ConfigError
 from relay.outbox import WORKERS
 from relay.rows import Failure, OutboxRow
-from tests.nats_server import Nats
+from tests.conftest import free_port, wait_until
+from tests.nats_server import NATS_SERVER, Nats
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -201,3 +203,69 @@ async def test_a_missing_stream_is_unavailable_and_a_push_consumer_is_bad_config
             await consumer.connect()
     finally:
         await consumer.close()
+
+
+# --------------------------------------------------------------------------
+# natss://
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory):
+    """nats-server with TLS, its certificate signed by a CA of the test's own."""
+    base = tmp_path_factory.mktemp("nats-tls")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=base, check=True, capture_output=True)
+
+    subject = ["-subj", "/CN=relay-test-ca"]
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+            "-days", "2", *subject)  # fmt: skip
+    subject = ["-subj", "/CN=localhost"]
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            *subject)  # fmt: skip
+    (base / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    signed = ["-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-extfile", "ext.cnf"]
+    openssl("x509", "-req", "-in", "server.csr", "-out", "server.pem", "-days", "2", *signed)
+    port = free_port()
+    tls = ["--tls", "--tlscert", "server.pem", "--tlskey", "server.key"]
+    store = ["-js", "-sd", str(base / "store")]
+    with (base / "server.log").open("wb") as log:
+        process = subprocess.Popen(
+            [NATS_SERVER, *store, "-a", "127.0.0.1", "-p", str(port), *tls],
+            cwd=base,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until(lambda: _listening(port), timeout=30)
+        yield port, base / "ca.pem"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.2).close()
+    except OSError:
+        return False
+    return True
+
+
+async def test_natss_verifies_the_server_against_ca_and_refuses_it_without(tls_server):
+    port, ca = tls_server
+    trusted = make_publisher(
+        BrokerURL.parse(f"natss://127.0.0.1:{port}?ca={ca}"), exchange="relay", workers=1
+    )
+    try:
+        await trusted.connect()
+        assert trusted.connected
+    finally:
+        await trusted.close()
+    untrusted = make_publisher(BrokerURL.parse(f"natss://127.0.0.1:{port}"), exchange="", workers=1)
+    try:
+        with pytest.raises(ConfigError, match=r"TLS failed: .*certificate"):
+            await untrusted.connect()
+    finally:
+        await untrusted.close()

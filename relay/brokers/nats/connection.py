@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from relay.config import BrokerURL, redact_url
-from relay.errors import BrokerUnavailable
+from relay.errors import BrokerUnavailable, ConfigError
 
 log = logging.getLogger("relay.brokers.nats")
 
@@ -88,9 +88,14 @@ def tls_context(broker: BrokerURL) -> ssl.SSLContext | None:
     return ssl.create_default_context(cafile=options.get("ca"))
 
 
-async def connect(broker: BrokerURL, name: str, lost: Callable[[str], None]) -> Client:
+async def connect(
+    broker: BrokerURL, name: str, lost: Callable[[str], None], *, starting: bool = False
+) -> Client:
     """A connection to the first server of `broker` that answers; `lost`
-    hears why once it breaks. BrokerUnavailable when none answers."""
+    hears why once it breaks. BrokerUnavailable when none answers;
+    ConfigError when `starting` (no connection was made yet) and every
+    server refused TLS: a certificate that does not verify is bad
+    configuration, as for RabbitMQ."""
     options = dict(broker.nats)
     errors: list[BaseException] = []
     client = Client()
@@ -127,9 +132,14 @@ async def connect(broker: BrokerURL, name: str, lost: Callable[[str], None]) -> 
             client.connect(**kwargs), CONNECT_TIMEOUT * 2 * max(1, len(broker.nodes)) + 1
         )
     except (OSError, TimeoutError, nats.errors.Error, ssl.SSLError) as exc:
-        with contextlib.suppress(Exception):
-            await client.close()
+        await close(client)
         why = errors[-1] if errors and isinstance(exc, nats.errors.NoServersError) else exc
+        if starting and errors and all(isinstance(e, ssl.SSLError) for e in errors):
+            reason = getattr(errors[-1], "verify_message", None) or describe(errors[-1])
+            raise ConfigError(
+                f"NATS at {where(broker)}: TLS failed: {reason} (check ?ca=, the server's "
+                "certificate and the host name in the URL)"
+            ) from None
         raise BrokerUnavailable(f"NATS at {where(broker)}: {describe(why)}") from None
     return client
 

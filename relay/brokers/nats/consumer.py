@@ -185,6 +185,7 @@ class NatsConsumer:
         self._heard = 0.0  # monotonic: the last message or heartbeat of a pull
         self._oversize = False  # the next message is over the room max_bytes leaves
         self.ack_wait = 30.0
+        self._ever_connected = False
 
     @property
     def connected(self) -> bool:
@@ -195,7 +196,10 @@ class NatsConsumer:
             return
         await self.close()
         self._failure = None
-        client = await connect(self.broker, "relay inbox", self._on_lost)
+        client = await connect(
+            self.broker, "relay inbox", self._on_lost, starting=not self._ever_connected
+        )
+        self._ever_connected = True
         try:
             await self._ensure_consumer(client)
             self._inbox = client.new_inbox()

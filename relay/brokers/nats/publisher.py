@@ -164,7 +164,9 @@ class NatsPublisher:
                 return
             await self._drop()
             was = self._lost
-            client = await connect(self.broker, "relay outbox", self._on_lost)
+            client = await connect(
+                self.broker, "relay outbox", self._on_lost, starting=was == "not connected yet"
+            )
             self._client = client
             try:
                 await client.jetstream(timeout=API_TIMEOUT).account_info()
