@@ -153,11 +153,6 @@ class NatsPublisher:
     async def wait_unblocked(self) -> None:
         return
 
-    @property
-    def limit(self) -> int:
-        """The server's max_payload: the largest message, data and headers (1 MB by default)."""
-        return self._client.max_payload if self._client is not None else 1024 * 1024
-
     async def connect(self) -> None:
         async with self._connecting:
             if self.connected:
