@@ -235,17 +235,22 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
         "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Redis "
         "consumer group reads the streams --queue lists",
     ),
+    "nats": dict.fromkeys(
+        ("--queue-type", "--queue-arg", "--bind"),
+        "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a NATS "
+        "stream captures the subjects it was made with",
+    ),
 }
 
 
 @dataclass(frozen=True)
 class BrokerURL:
     """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS,
-    `sns://…` for SNS, `kafka(s)://…` for Kafka or `redis(s)://…` for Redis
-    Streams."""
+    `sns://…` for SNS, `kafka(s)://…` for Kafka, `nats(s)://…` for NATS
+    JetStream or `redis(s)://…` for Redis Streams."""
 
     url: str
-    kind: str  # "amqp", "sqs", "sns", "kafka" or "redis"
+    kind: str  # "amqp", "sqs", "sns", "kafka", "nats" or "redis"
     # SQS and SNS: the URL's region and endpoint_url, over boto3's own.
     aws_region: str | None = None
     aws_endpoint_url: str | None = None
@@ -255,6 +260,9 @@ class BrokerURL:
     # servers, security protocol, SASL and the query's own), relay's own
     # settings not included (relay.brokers.kafka adds them).
     kafka: tuple[tuple[str, str], ...] = ()
+    # NATS: the servers (`nodes`: nats://[USER:PASSWORD@]HOST:PORT each) and
+    # the URL's options (`ca`, `creds`; `tls` when natss://).
+    nats: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, url: str | None) -> BrokerURL:
@@ -277,6 +285,9 @@ class BrokerURL:
             raise ConfigError("invalid broker URL: an empty URL in the list")
         if url.partition("://")[0] in ("kafka", "kafkas"):  # HOST:PORT,HOST:PORT
             return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
+        if url.partition("://")[0] in ("nats", "natss"):
+            servers, options = parse_nats_url(url)
+            return cls(url=url, kind="nats", nodes=servers, nats=options)
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -321,8 +332,8 @@ class BrokerURL:
             )
         raise ConfigError(
             f"unsupported broker URL scheme {parts.scheme or redact_url(url)!r}: "
-            "use amqp://user:pass@host:port/vhost, sqs://, sns://, kafka://host:port or "
-            "redis://host:port"
+            "use amqp://user:pass@host:port/vhost, sqs://, sns://, kafka://host:port, "
+            "nats://host:port or redis://host:port"
         )
 
     def __repr__(self) -> str:  # never leak the password through a repr
@@ -493,6 +504,67 @@ def check_redis_url(url: str) -> None:
         parse_url(url)  # type: ignore[no-untyped-call]
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"invalid broker URL {shown!r}: {exc}") from None
+
+
+# --------------------------------------------------------------------------
+# nats:// and natss://
+# --------------------------------------------------------------------------
+
+NATS_EXTRA = "pip install 'relay-outbox[nats]'"
+NATS_DEFAULT_PORT = 4222
+_NATS_FILES = {"ca": "natss://", "creds": "nats:// or natss://"}
+
+
+def parse_nats_url(url: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """`nats(s)://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][?ca=PATH&creds=PATH]`
+    as the servers to give nats-py (each `nats://[USER:PASSWORD@]HOST:PORT`)
+    and the options (`ca`, `creds`, `tls`), or ConfigError naming what is wrong."""
+    shown = redact_url(url)
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    rest = rest.rstrip("/")
+    userinfo, at, hosts = rest.rpartition("@")
+    if "/" in hosts:
+        raise ConfigError(f"invalid broker URL {shown!r}: a NATS URL has no path")
+    servers = []
+    for host in hosts.split(","):
+        match = _HOST_PORT.match(host.strip())
+        if not match:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: expected HOST:PORT[,HOST:PORT…], not "
+                f"{host.strip()!r}"
+            )
+        port = int(match.group(2) or NATS_DEFAULT_PORT)
+        if not 0 < port < 65536:
+            raise ConfigError(f"invalid broker URL {shown!r}: bad port {port}")
+        servers.append(f"nats://{userinfo + '@' if at else ''}{match.group(1)}:{port}")
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as exc:
+        raise ConfigError(f"invalid broker URL {shown!r}: {exc}") from None
+    options: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in _NATS_FILES:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: unknown parameter {name!r}; {scheme}:// takes "
+                + ("ca and creds" if scheme == "natss" else "creds (and natss:// ca)")
+            )
+        if name == "ca" and scheme != "natss":
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: ca applies to natss:// (TLS), not nats://"
+            )
+        if not value or not os.path.isfile(os.path.expanduser(value)):
+            raise ConfigError(f"invalid broker URL {shown!r}: {name} {value!r}: no such file")
+        options[name] = os.path.expanduser(value)
+    if scheme == "natss":
+        options["tls"] = "1"
+    try:
+        import nats  # noqa: F401 - the optional extra
+    except ImportError:
+        raise ConfigError(
+            f"{scheme}:// needs the NATS client, which is not installed: {NATS_EXTRA}"
+        ) from None
+    return tuple(servers), tuple(options.items())
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")

@@ -310,14 +310,32 @@ class Kind:
     # The publisher's topic names the queue a consumer reads (SQS): no
     # exchange, no bindings. Else the topic is routed by an exchange.
     topic_is_queue: bool
+    # CloudEvents' binary mode on this broker: the attributes' header
+    # prefixes (the first one written); none: structured mode (relay.cloudevents).
+    cloudevents: tuple[str, ...] = ()
+    # Binary mode: the header for datacontenttype, when the adapter's own
+    # content type header is not it.
+    cloudevents_content_type: str | None = None
 
 
 # The factory's table: URL kind -> adapter. A new broker adds its line here,
 # its module beside this one, and its URL to relay.config.BrokerURL.
 KINDS: dict[str, Kind] = {
-    "amqp": Kind("relay.brokers.amqp", system="rabbitmq", topic_is_queue=False),
+    "amqp": Kind(
+        "relay.brokers.amqp",
+        system="rabbitmq",
+        topic_is_queue=False,
+        cloudevents=("cloudEvents_", "cloudEvents:"),
+    ),
     "sqs": Kind("relay.brokers.sqs", system="aws_sqs", topic_is_queue=True),
-    "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True),
+    "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True, cloudevents=("ce_",)),
+    "nats": Kind(
+        "relay.brokers.nats",
+        system="nats",
+        topic_is_queue=True,
+        cloudevents=("ce_", "ce-"),
+        cloudevents_content_type="content-type",
+    ),
     "sns": Kind("relay.brokers.sns", system="aws.sns", topic_is_queue=True),
     "redis": Kind("relay.brokers.redis", system="redis", topic_is_queue=True),
 }
@@ -329,6 +347,15 @@ def kind_of(broker: BrokerURL) -> Kind:
 
 def _adapter(broker: BrokerURL) -> Adapter:
     return cast(Adapter, importlib.import_module(kind_of(broker).module))
+
+
+async def prepare_demo(broker: BrokerURL, queue: str, topic: str) -> None:
+    """What `relay demo` needs of the broker before its daemons start, made
+    when missing (a NATS stream for its topic) by the adapter's `demo_queue`,
+    if it has one; the daemons themselves never make it."""
+    made = getattr(_adapter(broker), "demo_queue", None)
+    if made is not None:
+        await made(broker, queue, topic)
 
 
 def make_publisher(

@@ -28,6 +28,7 @@ from relay.config import BrokerURL
 from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, Rabbit
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
+from tests.nats_server import Nats, nats_helper, nats_server  # noqa: F401 - fixtures
 from tests.proxy import Proxy
 from tests.redis_server import Redis, redis_server, redis_streams  # noqa: F401 - fixtures
 from tests.sns_server import Sns, sns  # noqa: F401 - fixture
@@ -598,14 +599,102 @@ class RedisPort:
         )
 
 
-Port = MemoryPort | AmqpPort | SqsPort | SnsPort | KafkaPort | RedisPort
+class NatsPort:
+    kind = "nats"
+    # relay's own headers: the rest are the row's.
+    RELAY_HEADERS = ("Nats-Msg-Id", "type", "key", "Content-Type")
+
+    def __init__(self, helper: Nats) -> None:
+        self.nats = helper
+        self.url = helper.url
+
+    def topic(self, base: str, *, ordered: bool = False) -> str:
+        return self.nats.name(base)  # a subject
+
+    async def destination(self, topic: str) -> str:
+        """A stream capturing the subject `topic`."""
+        return await self.nats.create(f"S-{topic}", [topic])
+
+    def publisher(self, *, on_unroutable: str = "publish") -> Publisher:
+        return make_publisher(
+            BrokerURL.parse(self.url),
+            exchange="relay",
+            workers=WORKERS,
+            on_unroutable=on_unroutable,
+        )
+
+    async def read(self, dest: str, count: int) -> list[Received]:
+        got = []
+        for message in await self.nats.messages(dest):
+            headers = dict(message.headers or {})
+            got.append(
+                Received(
+                    message.data,
+                    headers.get("Nats-Msg-Id"),
+                    headers.get("type"),
+                    headers.get("key"),
+                    {n: v for n, v in headers.items() if n not in self.RELAY_HEADERS},
+                    message,
+                )
+            )
+        assert len(got) == count, f"{len(got)} messages in {dest}, not {count}"
+        return got
+
+    async def refuse(self, publisher: Publisher, topic: str) -> str:
+        """A subject whose stream takes no message over 8 bytes."""
+        refused = topic + "-refused"
+        await self.nats.create(f"S-{refused}", [refused], max_msg_size=8)
+        return refused
+
+    async def inbox_queue(self) -> str:
+        stream, _ = await self.nats.stream("in")
+        return stream
+
+    def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
+        return make_consumer(
+            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+        )
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        pairs = {"Nats-Msg-Id": message_id, "type": type, "key": key, **(headers or {})}
+        given = {n: v for n, v in pairs.items() if v is not None}
+        await self.nats.publish(f"{queue}.x", body, headers=given or None)
+
+    def fallback_type(self, queue: str) -> str:
+        return f"{queue}.x"  # the subject
+
+    def go_down(self) -> None:
+        self.nats.proxy.stop()
+
+    def come_back(self) -> None:
+        self.nats.proxy.start()
+
+    def unreachable(self) -> Publisher:
+        return make_publisher(
+            BrokerURL.parse("nats://app:s3cret@127.0.0.1:1"), exchange="relay", workers=WORKERS
+        )
 
 
-@pytest.fixture(params=["memory", "amqp", "sqs", "sns", "kafka", "redis"])
+Port = MemoryPort | AmqpPort | SqsPort | SnsPort | KafkaPort | NatsPort | RedisPort
+
+
+@pytest.fixture(params=["memory", "amqp", "sqs", "sns", "kafka", "nats", "redis"])
 def port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Port]:
     """Each broker in turn, for a test written once."""
     if request.param == "memory":
         yield MemoryPort()
+        return
+    if request.param == "nats":  # its proxy is the server's own (tests/nats_server.py)
+        yield NatsPort(request.getfixturevalue("nats_helper"))
         return
     if request.param == "redis":  # its proxy is the server's own (tests/redis_server.py)
         yield RedisPort(request.getfixturevalue("redis_streams"))
@@ -643,6 +732,8 @@ __all__ = [
     "kafka",
     "kafka_server",
     "memory_broker",
+    "nats_helper",
+    "nats_server",
     "port",
     "redis_server",
     "redis_streams",
