@@ -1,7 +1,7 @@
 """The ports the loops talk to, and the factory that picks an adapter by URL.
 
 The outbox loop sees a Publisher; the inbox loop sees a Consumer. Neither
-knows which broker is behind it: RabbitMQ (`amqp.py`), SQS (`sqs.py`) and
+knows which broker is behind it: RabbitMQ (`amqp/`), SQS (`sqs.py`) and
 Kafka (`kafka.py`) each implement both, SNS (`sns.py`) only the publisher
 (what SQS and SNS share is `aws.py`). KINDS is the factory's table, from a URL's kind
 (relay.config.BrokerURL.kind) to its adapter's module and what the layers
