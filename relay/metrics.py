@@ -354,10 +354,11 @@ class _Readings:
         return []  # known only at a scrape: never checked for clashes up front
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         for reading in getattr(self.receiver, "readings", None) or ():
-            family = GaugeMetricFamily(reading.name, reading.help, labels=list(reading.labels))
+            kind = CounterMetricFamily if reading.kind == "counter" else GaugeMetricFamily
+            family = kind(reading.name, reading.help, labels=list(reading.labels))
             for labels, value in reading.values:
                 family.add_metric(list(labels), value)
             yield family

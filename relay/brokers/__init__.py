@@ -121,15 +121,18 @@ class Incoming:
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """A figure a consumer measures on its broker, for /metrics as a gauge
-    (relay_inbox_kafka_lag by topic and partition, say). A consumer that
-    has any has `async def readings(self) -> list[Reading]`; the layers
-    above show them as they are, knowing no broker."""
+    """A figure a consumer measures on its broker, for /metrics: a gauge
+    (relay_inbox_kafka_lag by topic and partition, say) or a counter (its
+    name without `_total`, which /metrics adds; the value counted since
+    the consumer was made). A consumer that has any has `async def
+    readings(self) -> list[Reading]`; the layers above show them as they
+    are, knowing no broker."""
 
     name: str
     help: str
     labels: tuple[str, ...]
     values: tuple[tuple[tuple[str, ...], float], ...]
+    kind: str = "gauge"  # or "counter"
 
 
 class Consumer(Protocol):

@@ -123,9 +123,20 @@ DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's message.max.bytes
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 # Records received and not yet acknowledged beyond which fetching pauses.
 MAX_HELD = 5000
-# How long the consume thread waits, over MAX_HELD, before it pauses its
-# partitions (a rebalance waits that long at most meanwhile).
+# How long the consume thread waits, over MAX_HELD (or its bytes), before it
+# pauses its partitions (a rebalance waits that long at most meanwhile).
 PAUSE_AFTER = 1.0
+# librdkafka reports an idle connection closed, or a bootstrap connection
+# let go of, as _ALL_BROKERS_DOWN too, and reconnects by itself: the
+# consumer then asks the cluster for its metadata every PROBE_EVERY seconds
+# (PROBE_TIMEOUT each) until it answers, not connected (/readyz) while it
+# does not. It keeps its consumer (librdkafka rejoins the group itself,
+# 3 s after a 10 s cut against 11-15 s for a new member, tests/kafka/
+# test_faults.py); only a cluster silent for UNREACHABLE_AFTER seconds (or
+# the group's session timeout, if longer) gets a new one.
+PROBE_EVERY = 1.0
+UNREACHABLE_AFTER = 60.0
+DEFAULT_SESSION_TIMEOUT_MS = 45000  # librdkafka's session.timeout.ms
 # The lag metric is measured at most once in this many seconds (the
 # receiver process asks every 5 s: relay.receiver_process); sooner, the last
 # measure stands. A measure asks the cluster for the group's committed
@@ -159,6 +170,19 @@ _RELEASE = {
     KafkaError.NOT_LEADER_FOR_PARTITION,
     KafkaError.LEADER_NOT_AVAILABLE,
     KafkaError._DESTROY,
+}
+# The idempotent producer's own state refused (fenced, its epoch or sequence
+# out of step with the cluster's): librdkafka raises a fatal error and that
+# producer can produce no more. Not the row's fault: released, and a new
+# producer made (KafkaPublisher._renew).
+_UNUSABLE = {
+    KafkaError._FATAL,
+    KafkaError._FENCED,
+    KafkaError.PRODUCER_FENCED,
+    KafkaError.INVALID_PRODUCER_EPOCH,
+    KafkaError.UNKNOWN_PRODUCER_ID,
+    KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+    KafkaError.INVALID_PRODUCER_ID_MAPPING,
 }
 _TOO_LARGE = {KafkaError.MSG_SIZE_TOO_LARGE}
 _MISSING_TOPIC = {
@@ -314,6 +338,12 @@ class KafkaPublisher:
         self._down: str | None = "not connected yet"  # why the cluster is unreachable
         self._topics: set[str] = set()  # known to exist
         self._last_error: str | None = None  # librdkafka's last error report
+        # The producer's number (one more for each made) and, once it hit a
+        # fatal error, why: it can produce no more, and the next connect()
+        # replaces it (_renew), one worker doing so for all.
+        self._generation = 0
+        self._fatal: str | None = None
+        self._renewing = asyncio.Lock()
 
     @property
     def connected(self) -> bool:
@@ -329,14 +359,39 @@ class KafkaPublisher:
     async def wait_unblocked(self) -> None:
         return
 
-    def _error(self, error: KafkaError) -> None:  # librdkafka's error_cb, in the poll thread
+    def _on_error(self, generation: int) -> Callable[[KafkaError], None]:
+        """librdkafka's error_cb for the `generation`-th producer (served in
+        the event loop's polls): a replaced producer's late errors are not
+        its successor's."""
+
+        def error_cb(error: KafkaError) -> None:
+            if generation == self._generation:
+                self._error(error)
+
+        return error_cb
+
+    def _error(self, error: KafkaError) -> None:
         self._last_error = _describe(error)
-        if error.code() == KafkaError._ALL_BROKERS_DOWN or error.fatal():
+        if error.fatal():
+            self._unusable(_describe(error))
+        elif error.code() == KafkaError._ALL_BROKERS_DOWN:
             if self._down is None:
                 log.warning("Kafka at %s is unreachable: %s", _where(self.broker), _describe(error))
             self._down = _describe(error)
         else:
             log.debug("Kafka producer: %s", _describe(error))
+
+    def _unusable(self, why: str) -> None:
+        """The producer hit a fatal error (librdkafka: it can never produce
+        again): said once, with the cluster's reason; replaced by connect()."""
+        if self._fatal is None:
+            self._fatal = why
+            log.warning(
+                "the Kafka producer for %s can produce no more (%s): its records in flight "
+                "are released (sent again, no attempt counted) and a new producer replaces it",
+                _where(self.broker),
+                why,
+            )
 
     def _poll(self, producer: Producer) -> None:
         """Serve the delivery reports and errors that have arrived, on the
@@ -353,17 +408,35 @@ class KafkaPublisher:
             self._poll(producer)
             await asyncio.sleep(IDLE_POLL)
 
+    def _make(self) -> None:
+        self._generation += 1
+        self._fatal = None
+        try:
+            self._producer = Producer(
+                {
+                    **self.config,
+                    "error_cb": self._on_error(self._generation),
+                    "logger": LIBRDKAFKA_LOG,
+                }
+            )
+        except KafkaException as exc:
+            raise _config_error(exc, self.broker) from None
+        self._poller = asyncio.ensure_future(self._serve(self._producer))
+
     async def connect(self) -> None:
-        if self._producer is None:
-            try:
-                self._producer = Producer(
-                    {**self.config, "error_cb": self._error, "logger": LIBRDKAFKA_LOG}
-                )
-            except KafkaException as exc:
-                raise _config_error(exc, self.broker) from None
-            self._poller = asyncio.ensure_future(self._serve(self._producer))
+        if self._producer is None or self._fatal is not None:
+            async with self._renewing:  # one worker makes it, for all
+                if self._producer is not None and self._fatal is not None:
+                    # It can produce no more: what it still holds is purged
+                    # (released by its reports), a new one made (a new
+                    # producer id, whose sequences start again).
+                    await self._discard(everything=True)
+                    log.info("a new Kafka producer replaces the one that failed")
+                if self._producer is None:
+                    self._make()
         if self._down is None:
             return
+        assert self._producer is not None
         try:
             await asyncio.to_thread(self._producer.list_topics, None, PROBE_TIMEOUT)
         except KafkaException as exc:
@@ -377,13 +450,18 @@ class KafkaPublisher:
         self._down = None
 
     async def close(self) -> None:
-        producer, self._producer = self._producer, None
         self._down = "closed"
+        await self._discard(everything=False)
+
+    async def _discard(self, *, everything: bool) -> None:
+        """Let the producer go: what is queued is released (its rows stay
+        pending: nothing waits), what is in flight is waited for a second
+        (or, `everything`, purged too: a failed producer delivers nothing)."""
+        producer, self._producer = self._producer, None
         if producer is None:
             return
-        # What is queued is released (its rows stay pending): nothing waits.
         with contextlib.suppress(KafkaException):
-            producer.purge(in_queue=True, in_flight=False, blocking=False)
+            producer.purge(in_queue=True, in_flight=everything, blocking=False)
         deadline = time.monotonic() + 1.0
         while len(producer) and time.monotonic() < deadline:
             self._poll(producer)
@@ -427,7 +505,7 @@ class KafkaPublisher:
 
     async def publish(self, rows: Sequence[OutboxRow]) -> list[PublishResult]:
         await self.connect()
-        producer = self._producer
+        producer, generation = self._producer, self._generation
         assert producer is not None
         results: list[PublishResult] = [None] * len(rows)
         held: set[str] = set()  # keys whose row failed here: their later rows wait
@@ -453,7 +531,7 @@ class KafkaPublisher:
             if refused is None and record.size > self.limit:
                 refused = self._too_large(record.size, self.limit)
             if refused is None:
-                refused = await self._produce(producer, record, batch.callback(index))
+                refused = await self._produce(producer, generation, record, batch.callback(index))
                 if refused is None:
                     sent.append(index)
             if refused is not None:
@@ -463,14 +541,14 @@ class KafkaPublisher:
         batch.seal()
         await self._delivered(producer, batch)
         for index in sent:
-            results[index] = self._result(batch.reports[index], records[index])
+            results[index] = self._outcome(batch.reports[index], records[index], generation)
             report = batch.reports[index]
             if isinstance(report, KafkaError) and report.code() in _MISSING_TOPIC:
                 self._topics.discard(rows[index].topic)  # deleted since: look it up again
         return self._in_key_order(rows, results)
 
     async def _produce(
-        self, producer: Producer, record: Record, callback: Callable[..., None]
+        self, producer: Producer, generation: int, record: Record, callback: Callable[..., None]
     ) -> PublishResult:
         while True:
             try:
@@ -487,7 +565,22 @@ class KafkaPublisher:
                 await asyncio.sleep(0.005)
             except KafkaException as exc:
                 callback(exc.args[0], None)  # balance the batch's count
-                return self._result(exc.args[0], record)
+                return self._outcome(exc.args[0], record, generation)
+
+    def _outcome(
+        self, error: KafkaError | bool | None, record: Record, generation: int
+    ) -> PublishResult:
+        """A record's result from the `generation`-th producer. Once that
+        producer hit a fatal error (or was replaced), whatever it did not
+        deliver is released: the producer's fault, not the row's."""
+        if error is None:
+            return None
+        current = generation == self._generation
+        if isinstance(error, KafkaError) and error.code() in _UNUSABLE and current:
+            self._unusable(_describe(error))
+        if not current or self._fatal is not None:
+            return Outcome.RELEASE
+        return self._result(error, record)
 
     async def _delivered(self, producer: Producer, batch: _Batch) -> None:
         """Wait for every delivery report, polling for them. If the cluster
@@ -502,9 +595,11 @@ class KafkaPublisher:
             now = time.monotonic()
             if now - checked >= 0.5:
                 checked = now
-                if self._down is not None and self._producer is producer:
+                if self._producer is producer and (self._down or self._fatal) is not None:
                     with contextlib.suppress(KafkaException):
-                        producer.purge(in_queue=True, in_flight=False, blocking=False)
+                        producer.purge(
+                            in_queue=True, in_flight=self._fatal is not None, blocking=False
+                        )
         await batch.future
 
     def _result(
@@ -672,16 +767,40 @@ class _Partition:
     """One assigned partition: the records handed out, in offset order."""
 
     epoch: int
-    handed: deque[list[int]] = field(default_factory=deque)  # [offset, done]
+    handed: deque[list[int]] = field(default_factory=deque)  # [offset, done, bytes]
     committable: int | None = None  # the offset to commit next (last done + 1)
     committed: int | None = None
+
+
+def budget_config(max_bytes: int | None, message_max_bytes: int) -> dict[str, str]:
+    """librdkafka's prefetch under `max_bytes` (the receiver's share of
+    --batch-bytes, relay.budget): a quarter for its queue of fetched
+    records, a quarter for one fetch on its way (never under
+    message.max.bytes, which librdkafka insists on), a partition's part of
+    a fetch no more than either. The records handed to the receiver hold
+    the other half (KafkaConsumer.max_held_bytes). Defaults: the URL may
+    set each."""
+    if max_bytes is None:
+        return {}
+    quarter = max(max_bytes // 4, 1024)
+    return {
+        "queued.max.messages.kbytes": str(quarter // 1024),
+        "fetch.max.bytes": str(max(quarter, message_max_bytes)),
+        "max.partition.fetch.bytes": str(min(quarter, 1 << 20)),
+    }
 
 
 class KafkaConsumer:
     """Consumes topics as a consumer group; commits only behind stored records."""
 
     def __init__(
-        self, broker: BrokerURL, *, topics: Sequence[str], group: str, prefetch: int
+        self,
+        broker: BrokerURL,
+        *,
+        topics: Sequence[str],
+        group: str,
+        prefetch: int,
+        max_bytes: int | None = None,
     ) -> None:
         names = [t.strip() for t in topics if t.strip()]
         if not names:
@@ -695,9 +814,29 @@ class KafkaConsumer:
         self.broker = broker
         self.topics = names
         self.group = group or names[0]
-        self.config = client_config(broker, CONSUMER, CONSUMER_DEFAULTS)
+        given = dict(broker.kafka)
+        message_max = int(given.get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES))
+        self.config = client_config(
+            broker, CONSUMER, {**CONSUMER_DEFAULTS, **budget_config(max_bytes, message_max)}
+        )
         self.config["group.id"] = self.group
         self.max_held = max(MAX_HELD, prefetch)
+        # The bytes of the records handed to the receiver and not yet
+        # acknowledged beyond which fetching pauses (half of `max_bytes`:
+        # librdkafka's prefetch has the other, budget_config).
+        self.max_held_bytes = max_bytes // 2 if max_bytes is not None else None
+        self._held_bytes = 0
+        # Rebalances this process took part in (each assignment of the
+        # group's partitions to it, its first included), for /metrics.
+        self.rebalances = 0
+        # Since when (monotonic) librdkafka has said every broker is down,
+        # not yet contradicted by an answer (PROBE_EVERY); when to ask next;
+        # why the last question went unanswered.
+        self._down_since: float | None = None
+        self._probe_at = 0.0
+        self._unreachable: str | None = None
+        session_ms = int(self.config.get("session.timeout.ms", DEFAULT_SESSION_TIMEOUT_MS))
+        self.unreachable_after = max(UNREACHABLE_AFTER, session_ms / 1000)
         self._consumer: RdConsumer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -719,19 +858,27 @@ class KafkaConsumer:
         self.lag: dict[tuple[str, int], int] = {}
         self._lag_at = -float("inf")  # when (monotonic) `lag` was measured
         self._lag_client: RdConsumer | None = None
+        self._lag_unusable = False  # the lag client hit a fatal error
         self._lag_lock = asyncio.Lock()
 
     @property
     def connected(self) -> bool:
+        """Consuming, and the cluster answers (/readyz)."""
+        return self._alive and self._unreachable is None
+
+    @property
+    def _alive(self) -> bool:
+        """The consumer runs (maybe waiting for the cluster to answer again)."""
         return self._consumer is not None and self._failure is None
 
     # -- connecting ----------------------------------------------------------
 
     async def connect(self) -> None:
-        if self.connected:
+        if self._alive:
             return
         await self.close()
         self._failure = None
+        self._down_since, self._unreachable = None, None
         self._loop = asyncio.get_running_loop()
         try:
             consumer = RdConsumer(
@@ -791,17 +938,63 @@ class KafkaConsumer:
         with self._lock:
             self._partitions.clear()
             self._held = 0
+            self._held_bytes = 0
 
     # -- librdkafka's callbacks, in the consume thread -----------------------
 
     def _error(self, error: KafkaError) -> None:
-        if error.code() == KafkaError._ALL_BROKERS_DOWN or error.fatal():
-            self._fail(BrokerUnavailable(f"Kafka at {_where(self.broker)}: {_describe(error)}"))
+        if error.fatal():  # librdkafka: this consumer can be used no more
+            self._fail(
+                BrokerUnavailable(
+                    f"the Kafka consumer at {_where(self.broker)} hit a fatal error "
+                    f"({_describe(error)}): a new one replaces it"
+                )
+            )
+        elif error.code() == KafkaError._ALL_BROKERS_DOWN:
+            # Maybe only idle connections closed: the consume thread asks.
+            if self._down_since is None:
+                self._down_since = self._probe_at = time.monotonic()
+            log.debug("Kafka consumer: %s", _describe(error))
         else:
             log.debug("Kafka consumer: %s", _describe(error))
 
+    def _probe(self, consumer: RdConsumer) -> None:
+        """After librdkafka said every broker is down (in the consume
+        thread): ask the cluster for the topics' metadata. An answer ends
+        it (an idle disconnect, or an outage over); none for the session
+        timeout fails the consumer (the receiver makes a new one)."""
+        down_since = self._down_since
+        now = time.monotonic()
+        if down_since is None or now < self._probe_at:
+            return
+        self._probe_at = now + PROBE_EVERY
+        try:
+            consumer.list_topics(self.topics[0], PROBE_TIMEOUT)
+        except KafkaException as exc:
+            if self._unreachable is None:
+                log.warning(
+                    "Kafka at %s is unreachable: %s", _where(self.broker), _describe(exc.args[0])
+                )
+            self._unreachable = _describe(exc.args[0])
+            if time.monotonic() - down_since >= self.unreachable_after:
+                self._fail(
+                    BrokerUnavailable(
+                        f"Kafka at {_where(self.broker)} unreachable for "
+                        f"{time.monotonic() - down_since:.0f}s: {self._unreachable}"
+                    )
+                )
+            return
+        if self._down_since == down_since:
+            self._down_since = None
+        if self._unreachable is not None:
+            self._unreachable = None
+            log.info("Kafka at %s is reachable again", _where(self.broker))
+        else:  # librdkafka reconnected at once: an idle connection was closed, say
+            log.debug("Kafka answers (%.1fs after all brokers were said down)", now - down_since)
+
     def _assigned(self, consumer: RdConsumer, partitions: list[TopicPartition]) -> None:
         with self._lock:
+            self.rebalances += 1
             self._epoch += 1
             for tp in partitions:
                 self._partitions[(tp.topic, tp.partition)] = _Partition(self._epoch)
@@ -835,6 +1028,7 @@ class KafkaConsumer:
                 state = self._partitions.pop(key, None)
                 if state is not None:
                     self._held -= len(state.handed)
+                    self._held_bytes -= sum(entry[2] for entry in state.handed)
         log.info(
             "Kafka group %r revoked %s",
             self.group,
@@ -860,9 +1054,12 @@ class KafkaConsumer:
             for key, offsets in dropped.items():
                 state = self._partitions.get(key)
                 if state is not None:
-                    before = len(state.handed)
-                    state.handed = deque(e for e in state.handed if e[0] not in offsets)
-                    self._held -= before - len(state.handed)
+                    kept_entries = deque(e for e in state.handed if e[0] not in offsets)
+                    self._held -= len(state.handed) - len(kept_entries)
+                    self._held_bytes -= sum(e[2] for e in state.handed) - sum(
+                        e[2] for e in kept_entries
+                    )
+                    state.handed = kept_entries
             self._acked.notify_all()
         done.set()
 
@@ -879,15 +1076,17 @@ class KafkaConsumer:
         consumer = self._consumer
         assert consumer is not None
         paused = False
-        over_since: float | None = None  # since when `max_held` are held, not paused
+        over_since: float | None = None  # since when over the bounds, not paused
         while not self._stop.is_set():
             try:
                 if self._commit_due.is_set():
                     self._commit_due.clear()
                     self._commit(consumer, asynchronous=True)
-                if self._held < self.max_held:
+                if self._down_since is not None:
+                    self._probe(consumer)
+                if not self._over(1):
                     over_since = None
-                    if paused and self._held < self.max_held // 2:
+                    if paused and not self._over(2):
                         consumer.resume(consumer.assignment())
                         paused = False
                 elif not paused:
@@ -900,7 +1099,7 @@ class KafkaConsumer:
                     over_since = over_since or now
                     if now - over_since < PAUSE_AFTER:
                         with self._lock:
-                            if self._held >= self.max_held and not self._stop.is_set():
+                            if self._over(1) and not self._stop.is_set():
                                 self._acked.wait(0.05)
                         continue
                     consumer.pause(consumer.assignment())
@@ -914,6 +1113,14 @@ class KafkaConsumer:
             got = self._take(messages)
             if got:
                 self._loop_call(self._deliver, got)
+
+    def _over(self, fraction: int) -> bool:
+        """Whether the records held are at `1/fraction` of either bound
+        (count, bytes) or past it: 1 to pause, 2 to resume."""
+        if self._held >= self.max_held // fraction:
+            return True
+        limit = self.max_held_bytes
+        return limit is not None and self._held_bytes >= limit // fraction
 
     def _take(self, messages: list[Message]) -> list[Incoming]:
         """The records of one consume() as the inbox sees them, each one
@@ -944,12 +1151,14 @@ class KafkaConsumer:
                 if state is None:  # revoked meanwhile
                     continue
                 offset = message.offset() or 0
-                state.handed.append([offset, 0])
                 token = Token(place[0], place[1], offset, state.epoch)
                 try:
                     got.append(to_incoming(message, token))
                 except Exception as exc:  # one record never stops the consumer
                     got.append(unreadable(message, token, _unreadable_why(exc)))
+                size = len(got[-1].body)
+                state.handed.append([offset, 0, size])
+                self._held_bytes += size
             self._held += len(got)
         return got
 
@@ -1004,8 +1213,10 @@ class KafkaConsumer:
                         entry[1] = 1
                         break
                 while state.handed and state.handed[0][1]:
-                    state.committable = state.handed.popleft()[0] + 1
+                    offset, _, size = state.handed.popleft()
+                    state.committable = offset + 1
                     self._held -= 1
+                    self._held_bytes -= size
             self._acked.notify_all()
         if self._consumer is None:
             raise BrokerUnavailable("Kafka consumer closed before the batch was committed")
@@ -1048,7 +1259,15 @@ class KafkaConsumer:
                     ((topic, str(partition)), float(n))
                     for (topic, partition), n in sorted(self.lag.items())
                 ),
-            )
+            ),
+            Reading(
+                "relay_inbox_kafka_rebalances",
+                "Rebalances of the consumer group this process took part in "
+                "(each assignment of partitions to it, its first join included)",
+                (),
+                (((), float(self.rebalances)),),
+                kind="counter",
+            ),
         ]
 
     def _measure(self, assigned: list[tuple[str, int]]) -> None:
@@ -1060,7 +1279,9 @@ class KafkaConsumer:
         found: dict[tuple[str, int], int] = {}
         try:
             if self._lag_client is None:
-                self._lag_client = RdConsumer({**self.config, "logger": LIBRDKAFKA_LOG})
+                self._lag_client = RdConsumer(
+                    {**self.config, "error_cb": self._lag_error, "logger": LIBRDKAFKA_LOG}
+                )
             client = self._lag_client
             partitions = [TopicPartition(topic, partition) for topic, partition in assigned]
             committed = client.committed(partitions, timeout=CONNECT_TIMEOUT) if partitions else []
@@ -1072,8 +1293,25 @@ class KafkaConsumer:
                 found[(tp.topic, tp.partition)] = max(0, high - start)
         except (KafkaException, RuntimeError) as exc:
             log.debug("cannot measure the Kafka lag: %s", exc)
+            fatal = isinstance(exc, KafkaException) and exc.args[0].fatal()
+            if fatal or self._lag_unusable:
+                self._drop_lag_client(str(exc))
             return
         self.lag, self._lag_at = found, time.monotonic()
+
+    def _lag_error(self, error: KafkaError) -> None:
+        if error.fatal():
+            self._lag_unusable = True
+
+    def _drop_lag_client(self, why: str) -> None:
+        """The lag client hit a fatal error: closed, and a new one made on
+        the next measure."""
+        client, self._lag_client = self._lag_client, None
+        self._lag_unusable = False
+        log.warning("the Kafka lag client can be used no more (%s): a new one replaces it", why)
+        if client is not None:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                client.close()
 
 
 # The factory's entry points (relay.brokers.KINDS).
@@ -1084,12 +1322,12 @@ def publisher(
 
 
 def consumer(broker: BrokerURL, options: ConsumerOptions) -> KafkaConsumer:
-    """`max_bytes` unused: the consumer holds at most max(MAX_HELD, prefetch)
-    records, and librdkafka's queue its queued.max.messages.kbytes; no bound
-    by --batch-bytes (docs/kafka.md)."""
+    """Holds at most max(MAX_HELD, prefetch) records and about `max_bytes`
+    of their bodies, librdkafka's prefetch included (budget_config)."""
     return KafkaConsumer(
         broker,
         topics=options.queue.split(","),
         group=options.consumer_name,
         prefetch=options.prefetch,
+        max_bytes=options.max_bytes,
     )
