@@ -109,6 +109,10 @@ _PRODUCER_ONLY = set(PRODUCER) - {"allow.auto.create.topics"} | {
     "request.timeout.ms",
     "enable.gapless.guarantee",
     "sticky.partitioning.linger.ms",
+    # The largest request the producer sends; a consumer would only raise
+    # its fetch.max.bytes to it (librdkafka insists), past its budget
+    # (budget_config): a record larger than a fetch comes alone anyway.
+    "message.max.bytes",
 }
 CONNECT_TIMEOUT = 5.0
 # How often the producer's reports are polled for: while a batch waits, idle.
@@ -772,20 +776,21 @@ class _Partition:
     committed: int | None = None
 
 
-def budget_config(max_bytes: int | None, message_max_bytes: int) -> dict[str, str]:
+def budget_config(max_bytes: int | None) -> dict[str, str]:
     """librdkafka's prefetch under `max_bytes` (the receiver's share of
     --batch-bytes, relay.budget): a quarter for its queue of fetched
-    records, a quarter for one fetch on its way (never under
-    message.max.bytes, which librdkafka insists on), a partition's part of
-    a fetch no more than either. The records handed to the receiver hold
-    the other half (KafkaConsumer.max_held_bytes). Defaults: the URL may
-    set each."""
+    records, a quarter for one fetch on its way (never under the consumer's
+    message.max.bytes, its default, which librdkafka insists on), a
+    partition's part of a fetch no more than either. A record larger than
+    a fetch still comes, alone (the broker answers a fetch with at least
+    one record batch). The records handed to the receiver hold the other
+    half (KafkaConsumer.max_held_bytes). Defaults: the URL may set each."""
     if max_bytes is None:
         return {}
     quarter = max(max_bytes // 4, 1024)
     return {
         "queued.max.messages.kbytes": str(quarter // 1024),
-        "fetch.max.bytes": str(max(quarter, message_max_bytes)),
+        "fetch.max.bytes": str(max(quarter, DEFAULT_MESSAGE_MAX_BYTES)),
         "max.partition.fetch.bytes": str(min(quarter, 1 << 20)),
     }
 
@@ -814,10 +819,8 @@ class KafkaConsumer:
         self.broker = broker
         self.topics = names
         self.group = group or names[0]
-        given = dict(broker.kafka)
-        message_max = int(given.get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES))
         self.config = client_config(
-            broker, CONSUMER, {**CONSUMER_DEFAULTS, **budget_config(max_bytes, message_max)}
+            broker, CONSUMER, {**CONSUMER_DEFAULTS, **budget_config(max_bytes)}
         )
         self.config["group.id"] = self.group
         self.max_held = max(MAX_HELD, prefetch)
