@@ -337,7 +337,7 @@ class InboxMetrics:
     def watch(self, receiver: Any) -> None:
         """Show the receiver's `readings` (relay.brokers.Reading: figures its
         consumer measures on the broker, such as relay_inbox_kafka_lag) as
-        gauges, as they are at each scrape."""
+        gauges or counters, as they are at each scrape."""
         self.registry.register(_Readings(receiver))
 
     def render(self) -> bytes:

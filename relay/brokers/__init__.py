@@ -327,10 +327,10 @@ def make_consumer(
     consumer_name: str = "",
     max_bytes: int | None = None,
 ) -> Consumer:
-    """The consumer of `queue` on `broker`; RabbitMQ's holds at most about
-    `max_bytes` of bodies received and not yet acknowledged (SQS's, at most
-    100 messages, relay.brokers.sqs.MAX_HELD, of SQS's 1 MiB at most each;
-    Kafka's is bounded by librdkafka's own queue, not by `max_bytes`)."""
+    """The consumer of `queue` on `broker`; RabbitMQ's and Kafka's hold at
+    most about `max_bytes` of bodies received and not yet acknowledged
+    (Kafka's with librdkafka's prefetch; SQS's, at most 100 messages,
+    relay.brokers.sqs.MAX_HELD, of SQS's 1 MiB at most each)."""
     return _adapter(broker).consumer(
         broker,
         ConsumerOptions(
