@@ -447,6 +447,8 @@ class KafkaPublisher:
             # librdkafka's last error says more (`Connect to … failed: …`).
             self._down = self._last_error or _describe(exc.args[0])
             raise BrokerUnavailable(f"Kafka at {_where(self.broker)}: {self._down}") from None
+        if self._down is None:  # another worker's probe said so meanwhile
+            return
         if self._down != "not connected yet":
             log.info("Kafka at %s is reachable again", _where(self.broker))
         else:

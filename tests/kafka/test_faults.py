@@ -9,17 +9,23 @@ shows them, for docs/kafka.md."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
 import sqlalchemy as sa
 
 import relay
 from tests.conftest import HANDLERS, free_port, rows, wait_until
-from tests.kafka_server import Kafka
+from tests.kafka_server import Kafka, KafkaServer
+from tests.sqs_server import REGION, sqs_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,24 +110,28 @@ def assert_each_handled_once_in_key_order(engine: sa.Engine, total: int) -> None
     assert rows(engine, "SELECT count(*) FROM inbox WHERE status <> 'processed'")[0][0] == 0
 
 
-def test_a_10s_cut_under_both_daemons_every_row_handled_once_in_key_order(
-    effects: sa.Engine, kafka: Kafka, start_relay, writer: list[Writer]
-):
-    topic = kafka.topic("cut", 3)
+def run_through_a_fault(
+    effects: sa.Engine,
+    kafka: Kafka,
+    start_relay: Callable[..., Any],
+    writer: list[Writer],
+    fault: Callable[[], None],
+    what: str,
+) -> None:
+    """Both daemons on a topic of three partitions, rows written without a
+    pause; once records flow, `fault()` (which returns once the network or
+    the broker is back); then every row is handled exactly once, each key
+    in order, no attempt counted, both daemons running. Prints the seconds
+    from the return to the first record published and consumed."""
+    topic = kafka.topic("fault", 3)
     env = {"RELAY_BROKER_URL": kafka.url()}
     outbox = start_relay("outbox", "--poll-interval", "0.2", env=env)
     inbox = start_relay(*inbox_args(topic), env=env)
     inbox.wait_for_log("assigned", timeout=60)
     writer.append(Writer(effects, topic))
     wait_until(lambda: handled(effects) > 200, timeout=60, message="records flowing")
-    # Requests in flight both ways (unanswered), then every connection cut:
-    # the idempotent producer cannot know what was written.
-    kafka.proxy.blackhole()
-    time.sleep(1)
-    kafka.proxy.stop()
-    time.sleep(10)
+    fault()
     before = published(effects), handled(effects)
-    kafka.proxy.start()
     back = time.monotonic()
     wait_until(lambda: published(effects) > before[0], timeout=60, message="published again")
     first_published = time.monotonic() - back
@@ -132,12 +142,63 @@ def test_a_10s_cut_under_both_daemons_every_row_handled_once_in_key_order(
     wait_until(lambda: published(effects) == total, timeout=120, message="every row published")
     wait_until(lambda: handled(effects) >= total, timeout=120, message="every row handled")
     print(
-        f"\n10 s cut: first record published {first_published:.1f} s and consumed "
-        f"{first_consumed:.1f} s after the network's return ({total} rows)"
+        f"\n{what}: first record published {first_published:.1f} s and consumed "
+        f"{first_consumed:.1f} s after the return ({total} rows)"
     )
     assert rows(effects, "SELECT max(attempts) FROM outbox")[0][0] == 0
     assert_each_handled_once_in_key_order(effects, total)
     assert outbox.proc.poll() is None and inbox.proc.poll() is None
+
+
+def test_a_10s_cut_under_both_daemons_every_row_handled_once_in_key_order(
+    effects: sa.Engine, kafka: Kafka, start_relay, writer: list[Writer]
+):
+    def cut() -> None:
+        # Requests in flight both ways (unanswered), then every connection
+        # cut: the idempotent producer cannot know what was written.
+        kafka.proxy.blackhole()
+        time.sleep(1)
+        kafka.proxy.stop()
+        time.sleep(10)
+        kafka.proxy.start()
+
+    run_through_a_fault(effects, kafka, start_relay, writer, cut, "10 s cut")
+
+
+@pytest.fixture
+def kafka_on_s3(sqs_server: str, tmp_path: Path) -> Iterator[Kafka]:
+    """Tansu of this test's own, keeping its data in a bucket of the moto
+    server: a broker killed and started again reads its topics back."""
+    bucket = f"tansu-{uuid.uuid4().hex[:10]}"
+    aws = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": REGION}
+    boto3.client("s3", endpoint_url=sqs_server, **_boto(aws)).create_bucket(Bucket=bucket)
+    env = {**os.environ, **aws, "AWS_ENDPOINT": sqs_server, "AWS_ALLOW_HTTP": "true"}
+    server = KafkaServer(tmp_path / "tansu.log", storage=f"s3://{bucket}/", env=env)
+    helper = Kafka(server)
+    try:
+        yield helper
+    finally:
+        helper.close()
+        server.close()
+
+
+def _boto(aws: dict[str, str]) -> dict[str, str]:
+    return {
+        "aws_access_key_id": aws["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": aws["AWS_SECRET_ACCESS_KEY"],
+        "region_name": aws["AWS_DEFAULT_REGION"],
+    }
+
+
+def test_the_broker_killed_and_started_again_under_both_daemons(
+    effects: sa.Engine, kafka_on_s3: Kafka, start_relay, writer: list[Writer]
+):
+    def restart() -> None:
+        kafka_on_s3.server.kill()
+        time.sleep(3)
+        kafka_on_s3.server.restart()
+
+    run_through_a_fault(effects, kafka_on_s3, start_relay, writer, restart, "broker restarted")
 
 
 # How long a quiet group is watched after a blip of the network: 30
