@@ -980,6 +980,8 @@ class KafkaConsumer:
                 log.warning(
                     "Kafka at %s is unreachable: %s", _where(self.broker), _describe(exc.args[0])
                 )
+                self._unreachable = _describe(exc.args[0])
+                self._loop_call(self._arrived.set)  # the batches end: see batches()
             self._unreachable = _describe(exc.args[0])
             if time.monotonic() - down_since >= self.unreachable_after:
                 self._fail(
@@ -1186,7 +1188,7 @@ class KafkaConsumer:
     # -- the event loop's side ------------------------------------------------
 
     def _failed(self) -> bool:
-        return self._failure is not None
+        return self._failure is not None or self._unreachable is not None
 
     async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
         while True:
@@ -1196,6 +1198,13 @@ class KafkaConsumer:
                 yield batch  # any failure shows on the next round
                 continue
             failure = self._failure
+            if failure is None and self._unreachable is not None:
+                # The consumer is kept (librdkafka reconnects by itself, the
+                # group keeps this member): the receiver waits with backoff
+                # and asks again, and batches flow once the cluster answers.
+                raise BrokerUnavailable(
+                    f"Kafka at {_where(self.broker)} is unreachable: {self._unreachable}"
+                )
             await self.close()
             if isinstance(failure, BrokerUnavailable):
                 raise failure
