@@ -51,8 +51,8 @@ PAUSE_AFTER = 1.0
 # let go of, as _ALL_BROKERS_DOWN too, and reconnects by itself: the
 # consumer then asks the cluster for its metadata every PROBE_EVERY seconds
 # (PROBE_TIMEOUT each) until it answers, not connected (/readyz) while it
-# does not. It keeps its consumer (librdkafka rejoins the group itself,
-# 3 s after a 10 s cut against 11-15 s for a new member, tests/kafka/
+# does not. It keeps its consumer (librdkafka rejoins the group itself; a
+# new member each time cost the whole group a rebalance, tests/kafka/
 # test_faults.py); only a cluster silent for UNREACHABLE_AFTER seconds (or
 # the group's session timeout, if longer) gets a new one.
 PROBE_EVERY = 1.0
