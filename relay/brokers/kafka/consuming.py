@@ -364,9 +364,10 @@ class KafkaConsumer:
 
     def _probe(self, consumer: RdConsumer) -> None:
         """After librdkafka said every broker is down (in the consume
-        thread): ask the cluster for the topics' metadata. An answer ends
-        it (an idle disconnect, or an outage over); none for the session
-        timeout fails the consumer (the receiver makes a new one)."""
+        thread): ask the cluster for the topic's metadata. An answer ends
+        it (an idle disconnect, or an outage over); none makes the cluster
+        unreachable (the batches end, the consumer kept), and none for
+        `unreachable_after` fails the consumer (the receiver makes a new one)."""
         down_since = self._down_since
         now = time.monotonic()
         if down_since is None or now < self._probe_at:
@@ -375,13 +376,12 @@ class KafkaConsumer:
         try:
             consumer.list_topics(self.topics[0], PROBE_TIMEOUT)
         except KafkaException as exc:
-            if self._unreachable is None:
+            first, self._unreachable = self._unreachable is None, _describe(exc.args[0])
+            if first:
                 log.warning(
-                    "Kafka at %s is unreachable: %s", _where(self.broker), _describe(exc.args[0])
+                    "Kafka at %s is unreachable: %s", _where(self.broker), self._unreachable
                 )
-                self._unreachable = _describe(exc.args[0])
                 self._loop_call(self._arrived.set)  # the batches end: see batches()
-            self._unreachable = _describe(exc.args[0])
             if time.monotonic() - down_since >= self.unreachable_after:
                 self._fail(
                     BrokerUnavailable(
