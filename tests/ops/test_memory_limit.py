@@ -3,6 +3,8 @@ under Kubernetes (issue 43): with default flags, a backlog of small rows
 with a few dozen rows of several MiB among them drains with no OOM kill, in
 key order, in 256 MiB for `relay outbox` and 384 MiB for `relay inbox` and
 its receiver (a child process: it follows its parent into the group).
+Through RabbitMQ, and through Kafka (issue 51: 200 records just under
+Kafka's 1 MB default limit, 40 of 6 MiB).
 
 The group is the cgroup v1 memory controller's (/sys/fs/cgroup/memory, as
 root) or cgroup v2's (memory.max); the daemon enters it before it execs, so
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +39,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.e2e.test_claim_check import s3  # noqa: F401 - the fixture
+from tests.kafka_server import Kafka, KafkaServer
 from tests.sqs_server import REGION, sqs_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(600)
@@ -138,22 +142,34 @@ def run_in(
         )
 
 
-def insert_backlog(engine: sa.Engine, topic: str, type_: str, large: int) -> list[tuple[str, int]]:
-    """SMALL small rows and LARGE rows of `large` bytes among them (every
-    SMALL // LARGE + 1-th row), over KEYS keys, in one transaction; the
+def insert_backlog(
+    engine: sa.Engine, topic: str, type_: str, large: int, count: int = LARGE
+) -> list[tuple[str, int]]:
+    """SMALL small rows and `count` rows of `large` bytes among them (every
+    SMALL // count + 1-th row), over KEYS keys, in one transaction; the
     large payloads are random hex (incompressible to PostgreSQL's pglz, as
     most real payloads of that size are not: both are measured alike).
     Returns each row's (key, n) in order."""
-    every = SMALL // LARGE + 1
-    total = SMALL + LARGE
-    sql = (
+    every = SMALL // count + 1
+    total = SMALL + count
+    insert = sa.text(
         "INSERT INTO outbox (topic, key, type, payload) "
-        f"SELECT :topic, 'k' || (i % {KEYS}), :type, CASE WHEN i % {every} = 0 "
-        "THEN jsonb_build_object('n', i, 'blob', (SELECT string_agg(md5(i::text || j::text), '') "
-        "  FROM generate_series(1, :large / 32) AS j)) "
-        f"ELSE jsonb_build_object('n', i) END FROM generate_series(0, {total - 1}) AS i"
+        "VALUES (:topic, :key, :type, CAST(:payload AS jsonb))"
     )
-    rows(engine, sql, topic=topic, type=type_, large=large)
+    with engine.begin() as conn:
+        for i in range(total):
+            payload: dict[str, object] = {"n": i}
+            if i % every == 0:  # as long as `large` bytes of md5 hex would be
+                payload["blob"] = os.urandom(large // 32 * 16).hex()
+            conn.execute(
+                insert,
+                {
+                    "topic": topic,
+                    "key": f"k{i % KEYS}",
+                    "type": type_,
+                    "payload": json.dumps(payload),
+                },
+            )
     return [(f"k{i % KEYS}", i) for i in range(total)]
 
 
@@ -230,13 +246,71 @@ def test_large_rows_drain_within_the_memory_limits(
         extra = ["--claim-check", s3.url("large")]
         env.update(AWS_DEFAULT_REGION=REGION, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x")
 
-    outbox_group = memory_group(256 * MiB)
-    outbox = run_in(
-        outbox_group,
-        ["outbox", "--once", f"--exchange={exchange}", *extra],
-        env,
-        tmp_path / "outbox.log",
+    outbox = ["outbox", "--once", f"--exchange={exchange}", *extra]
+    inbox = ["inbox", f"--queue={queue}", f"--exchange={exchange}", "--bind=#"]
+    inbox += [f"--handlers={handlers}", *extra]
+    drain_then_consume(case, effects, env, tmp_path, memory_group, outbox, inbox, expected)
+
+
+KAFKA_CASES = {
+    # label: (large records' size, how many, the URL's properties)
+    # Just under Kafka's default largest record (1,000,000 bytes, with the
+    # key and headers), and larger: the outbox's limit raised by the URL.
+    "1MB-kafka": (990_000, 200, ""),
+    "6MiB-kafka": (6 * MiB, LARGE, "message.max.bytes=8388608"),
+}
+
+
+@pytest.fixture(scope="module")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kafka]:
+    """Tansu of its own, reached directly: the tests' proxy copies every
+    byte in Python, which took a minute a case of the 400 MB."""
+    server = KafkaServer(tmp_path_factory.mktemp("tansu") / "tansu.log", proxied=False)
+    helper = Kafka(server)
+    try:
+        yield helper
+    finally:
+        helper.close()
+        server.close()
+
+
+@pytest.mark.parametrize("case", list(KAFKA_CASES))
+def test_large_kafka_records_drain_within_the_memory_limits(
+    effects: sa.Engine,
+    relay_env: dict[str, str],
+    tmp_path: Path,
+    memory_group: Callable[[int], MemoryGroup],
+    kafka: Kafka,
+    case: str,
+) -> None:
+    """As above through Kafka (three partitions), with default flags: the
+    inbox's receiver holds about --batch-bytes of records, librdkafka's
+    prefetch included (issue 51: OOM-killed at 384 MiB before)."""
+    large, count, properties = KAFKA_CASES[case]
+    topic = kafka.topic("memory", 3)
+    expected = insert_backlog(effects, topic, "Effect", large, count)
+    env = {**relay_env, "RELAY_BROKER_URL": kafka.url(properties)}
+    inbox = ["inbox", f"--queue={topic}", f"--handlers={HANDLERS}"]
+    drain_then_consume(
+        case, effects, env, tmp_path, memory_group, ["outbox", "--once"], inbox, expected
     )
+
+
+def drain_then_consume(
+    case: str,
+    effects: sa.Engine,
+    env: dict[str, str],
+    tmp_path: Path,
+    memory_group: Callable[[int], MemoryGroup],
+    outbox_args: list[str],
+    inbox_args: list[str],
+    expected: list[tuple[str, int]],
+) -> None:
+    """`relay OUTBOX_ARGS` in 256 MiB drains the backlog; then `relay
+    INBOX_ARGS` in 384 MiB consumes it and its handlers see every row once,
+    in key order; neither is OOM-killed. Each one's peak is printed."""
+    outbox_group = memory_group(256 * MiB)
+    outbox = run_in(outbox_group, outbox_args, env, tmp_path / "outbox.log")
     code = outbox.wait(300)
     log = (tmp_path / "outbox.log").read_text(errors="replace")
     report(f"{case}: relay outbox --once", outbox_group)
@@ -246,9 +320,7 @@ def test_large_rows_drain_within_the_memory_limits(
 
     inbox_group = memory_group(384 * MiB)
     port = free_port()
-    args = ["inbox", f"--queue={queue}", f"--exchange={exchange}", "--bind=#"]
-    args += [f"--handlers={handlers}", f"--http-port={port}", *extra]
-    inbox = run_in(inbox_group, args, env, tmp_path / "inbox.log")
+    inbox = run_in(inbox_group, [*inbox_args, f"--http-port={port}"], env, tmp_path / "inbox.log")
     try:
         wait_until(
             lambda: (
