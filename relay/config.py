@@ -606,9 +606,16 @@ class OutboxSettings(DaemonSettings):
     on_unroutable: str = "publish"
     # Every message also a CloudEvent with this source (relay.cloudevents); None: off.
     cloudevents_source: str | None = None
+    # How committed rows are learnt of: "poll" (the claim, woken by
+    # notifications) or "wal" (a logical replication slot: relay.capture).
+    capture: str = "poll"
+    # --slot: the slot's and publication's name (None: relay_outbox[_SCHEMA]).
+    slot: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.capture not in ("poll", "wal"):
+            raise ConfigError(f"invalid --capture {self.capture!r}: use poll or wal")
         if self.on_unroutable not in ("publish", "fail"):
             raise ConfigError(
                 f"invalid --on-unroutable {self.on_unroutable!r}: use publish or fail"

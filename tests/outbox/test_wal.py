@@ -1,0 +1,233 @@
+"""`relay outbox --capture wal` against a PostgreSQL cluster of the tests' own
+with wal_level = logical (the shared server keeps replica): one cluster for
+the module, a database and a slot of each test's own.
+
+The order rows were committed in is read from the server itself, through
+a second slot with PostgreSQL's `test_decoding` plugin (its text output,
+independent of relay's pgoutput decoder)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import re
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import aio_pika
+import pytest
+
+from tests.conftest import AMQP_URL, RELAY, REPO, Rabbit, RelayProcess, until
+from tests.pgcluster import OWN_SERVER_TESTS, Cluster, cluster
+
+pytestmark = [OWN_SERVER_TESTS, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def logical() -> Iterator[Cluster]:
+    """The module's server (wal_level = logical) with a template database
+    that has relay's schema."""
+    with cluster(
+        "relay_wal_", wal_level="logical", max_replication_slots="30", max_wal_senders="10"
+    ) as server:
+        server.execute("CREATE DATABASE relay_wal_tpl")
+        done = subprocess.run(
+            [*RELAY, "schema", "apply", "--database-url", server.url("relay_wal_tpl")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        yield server
+
+
+class WalDb:
+    """A test's database on the logical cluster and its slot's name."""
+
+    def __init__(self, server: Cluster) -> None:
+        self.server = server
+        self.name = f"wal_{uuid.uuid4().hex[:10]}"
+        self.slot = f"s_{uuid.uuid4().hex[:10]}"
+        self.url = server.url(self.name)
+        server.execute(f"CREATE DATABASE {self.name} TEMPLATE relay_wal_tpl")
+
+    def execute(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        with self.server.connect(self.name) as conn:
+            cursor = conn.execute(sql, params or None)
+            return cursor.fetchall() if cursor.description else []
+
+    def slot_row(self) -> tuple[Any, ...] | None:
+        found = self.execute(
+            "SELECT active, confirmed_flush_lsn, wal_status FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            self.slot,
+        )
+        return found[0] if found else None
+
+    def drop(self) -> None:
+        for (name,) in self.execute(
+            "SELECT slot_name FROM pg_replication_slots WHERE database = current_database()"
+        ):
+            with contextlib.suppress(Exception):
+                self.execute("SELECT pg_drop_replication_slot(%s)", name)
+        self.server.execute(f"DROP DATABASE IF EXISTS {self.name} WITH (FORCE)")
+
+
+@pytest.fixture
+def wal_db(logical: Cluster) -> Iterator[WalDb]:
+    db = WalDb(logical)
+    yield db
+    db.drop()
+
+
+def commit_order(db: WalDb, slot: str) -> list[str]:
+    """The ids inserted into the outbox, in the order their transactions
+    committed, as test_decoding's slot `slot` tells it."""
+    found = db.execute("SELECT data FROM pg_logical_slot_peek_changes(%s, NULL, NULL)", slot)
+    ids = []
+    for (data,) in found:
+        match = re.match(r"table public\.outbox: INSERT: id\[uuid\]:'([0-9a-f-]+)'", data)
+        if match:
+            ids.append(match[1])
+    return ids
+
+
+def insert(db: WalDb, count: int, *, keys: list[str | None] | None = None) -> list[str]:
+    """`count` rows in one transaction, of one key of `keys` (two keys in
+    one transaction could deadlock with another's: the producer trigger's
+    key locks); their ids."""
+    ids = [str(uuid.uuid4()) for _ in range(count)]
+    key = random.choice(keys) if keys else None
+    with db.server.connect(db.name) as conn, conn.transaction():
+        for row_id in ids:
+            conn.execute(
+                "INSERT INTO outbox (id, topic, key, payload) VALUES (%s, 'wal.test', %s, '{}')",
+                (row_id, key),
+            )
+    return ids
+
+
+def confirmed_at_least(db: WalDb, position: str) -> bool:
+    """Whether the test's slot is confirmed to `position` (a pg_lsn's text)."""
+    found = db.execute(
+        "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
+        position,
+        db.slot,
+    )
+    return bool(found and found[0][0])
+
+
+def statuses(db: WalDb) -> dict[str, int]:
+    return dict(db.execute("SELECT status, count(*) FROM outbox GROUP BY status"))
+
+
+@pytest.fixture
+def wal_relay(
+    wal_db: WalDb, rabbit: Rabbit, tmp_path: Any
+) -> Iterator[Callable[..., RelayProcess]]:
+    started: list[RelayProcess] = []
+
+    def start(*args: str, broker: str = AMQP_URL) -> RelayProcess:
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "RELAY_DATABASE_URL": wal_db.url,
+            "RELAY_BROKER_URL": broker,
+            "RELAY_EXCHANGE": rabbit.exchange,
+            "RELAY_LOG_LEVEL": os.environ.get("TEST_RELAY_LOG_LEVEL", "INFO"),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+        env["PYTHONPATH"] = os.environ.get("PYTHONPATH", str(REPO))
+        proc = RelayProcess(
+            ["outbox", "--capture", "wal", "--slot", wal_db.slot, *args],
+            env,
+            tmp_path / f"relay{len(started)}.log",
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+async def received(rabbit: Rabbit, queue: aio_pika.abc.AbstractQueue, count: int) -> list[str]:
+    return [m.message_id or "" for m in await rabbit.drain(queue, count, timeout=60)]
+
+
+# -- bad configuration ---------------------------------------------------------
+
+
+def test_a_server_without_logical_wal_exits_2_with_one_line(run_relay):
+    """The shared server runs wal_level = replica."""
+    done = run_relay("outbox", "--capture", "wal", timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "wal_level" in line]
+    assert len(lines) == 1, done.stderr
+    assert "wal_level = logical" in lines[0]
+    assert "rds.logical_replication" in lines[0]
+
+
+def test_a_role_that_may_not_replicate_exits_2(wal_db: WalDb, run_relay):
+    wal_db.execute("CREATE ROLE plain LOGIN PASSWORD 'secret'")
+    wal_db.execute(f"GRANT ALL ON DATABASE {wal_db.name} TO plain")
+    wal_db.execute("GRANT ALL ON ALL TABLES IN SCHEMA public TO plain")
+    url = wal_db.server.url(wal_db.name, user="plain").replace("plain@", "plain:secret@")
+    try:
+        done = run_relay("outbox", "--capture", "wal", env={"RELAY_DATABASE_URL": url}, timeout=60)
+    finally:
+        wal_db.execute(f"REVOKE ALL ON DATABASE {wal_db.name} FROM plain")
+        wal_db.execute("REVOKE ALL ON ALL TABLES IN SCHEMA public FROM plain")
+        wal_db.execute("DROP ROLE plain")
+    assert done.returncode == 2, done.stderr
+    assert "ALTER ROLE plain REPLICATION" in done.stderr
+    assert wal_db.slot_row() is None
+
+
+# -- the stream ------------------------------------------------------------------
+
+
+async def test_concurrent_commits_are_published_once_in_commit_order(
+    wal_db: WalDb, rabbit: Rabbit, wal_relay
+):
+    queue = await rabbit.queue("#")
+    wal_db.execute(
+        "SELECT pg_create_logical_replication_slot(%s, 'test_decoding')", "order_" + wal_db.slot
+    )
+    relay = wal_relay("--poll-interval", "0.5")
+    relay.wait_for_log("reading replication slot")
+    await asyncio.sleep(1.0)  # the claim's drain of the empty table is over
+
+    keys: list[str | None] = ["a", "b", "c", None]
+
+    def produce() -> None:
+        for _ in range(25):
+            insert(wal_db, random.randint(1, 5), keys=keys)
+
+    threads = [threading.Thread(target=produce) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    order = commit_order(wal_db, "order_" + wal_db.slot)
+    got = await received(rabbit, queue, len(order))
+    assert len(set(order)) == len(order) >= 100
+    assert got == order  # each once, in commit order
+    await until(lambda: statuses(wal_db) == {"published": len(order)}, timeout=30)
+    # The slot is confirmed past them all.
+    last = wal_db.execute("SELECT pg_current_wal_lsn()::text")[0][0]
+    insert(wal_db, 1)
+    await received(rabbit, queue, 1)
+
+    def confirmed_past() -> bool:
+        return confirmed_at_least(wal_db, last)
+
+    await until(confirmed_past, timeout=30)
+    await asyncio.sleep(0.5)
+    assert await queue.get(fail=False) is None  # nothing twice
