@@ -32,7 +32,7 @@ from collections import deque
 
 from relay.backoff import reconnect_backoff, sleep_unless, wait_to_reconnect
 from relay.db import SlotLost, SlotReader, SlotUnreadable, Transaction
-from relay.errors import ShareBusy, Unavailable
+from relay.errors import BrokerUnavailable, ShareBusy, Unavailable
 from relay.metrics import OutboxMetrics
 from relay.outbox import WORKERS, OutboxRelay
 from relay.workers import BLOCKED_RETRY
@@ -141,6 +141,12 @@ class WalCapture:
                 if isinstance(exc, SlotUnreadable):
                     await self.reader.drop()
                 self._stand_by()
+            except BrokerUnavailable as exc:
+                # The rows read stay pending, the slot before them; the
+                # claim publishes them once the broker is back.
+                self._left = True
+                failures += 1
+                await wait_to_reconnect(exc, failures, backoff, stopping, log)
             except Unavailable as exc:
                 self._stand_by()
                 failures += 1

@@ -30,9 +30,11 @@ No psycopg here: pure functions over bytes.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}").fullmatch
 # A tuple's column: None (null), UNCHANGED (an unchanged TOAST value) or its bytes.
 UNCHANGED = b"\x00unchanged-toast"
 Value = bytes | None
@@ -290,9 +292,12 @@ def _row(insert: Insert, id_at: int, seq_at: int) -> tuple[str, int]:
     ):
         raise PgoutputError("an insert without its id or seq")
     try:
-        return raw_id.decode("ascii"), int(raw_seq)
+        row_id, seq = raw_id.decode("ascii"), int(raw_seq)
     except (UnicodeDecodeError, ValueError) as exc:
         raise PgoutputError(f"an insert whose id or seq is not text: {exc}") from exc
+    if not _UUID(row_id):
+        raise PgoutputError(f"an insert whose id is not a UUID: {row_id[:40]!r}")
+    return row_id, seq
 
 
 def lsn(text: str) -> int:

@@ -13,17 +13,25 @@ import contextlib
 import os
 import random
 import re
+import signal
 import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Self
 
 import aio_pika
 import pytest
 
+from relay.brokers.memory import MemoryBroker
+from relay.capture import WalCapture
+from relay.config import BrokerURL, OutboxSettings
+from relay.db import SlotReader, Store
+from relay.metrics import OutboxMetrics
+from relay.wiring import outbox_relay
 from tests.conftest import AMQP_URL, RELAY, REPO, Rabbit, RelayProcess, until
 from tests.pgcluster import OWN_SERVER_TESTS, Cluster, cluster
+from tests.proxy import Proxy
 
 pytestmark = [OWN_SERVER_TESTS, pytest.mark.timeout(180)]
 
@@ -231,3 +239,190 @@ async def test_concurrent_commits_are_published_once_in_commit_order(
     await until(confirmed_past, timeout=30)
     await asyncio.sleep(0.5)
     assert await queue.get(fail=False) is None  # nothing twice
+
+
+async def test_kill_9_mid_stream_loses_nothing(wal_db: WalDb, rabbit: Rabbit, wal_relay):
+    queue = await rabbit.queue("#")
+    first = wal_relay()
+    first.wait_for_log("reading replication slot")
+    ids = [row_id for _ in range(20) for row_id in insert(wal_db, 100, keys=["a", "b", None])]
+    await until(lambda: statuses(wal_db).get("published", 0) > 0, timeout=60)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    second = wal_relay()
+    second.wait_for_log("reading replication slot")
+    await until(lambda: statuses(wal_db) == {"published": len(ids)}, timeout=90)
+    got = await received(rabbit, queue, len(ids))  # at least once: a batch may come twice
+    assert set(got) == set(ids)
+
+
+async def test_an_unreachable_broker_holds_the_slot_behind_unpublished_rows(
+    wal_db: WalDb, rabbit: Rabbit, wal_relay
+):
+    queue = await rabbit.queue("#")
+    proxy = Proxy(5672)
+    proxy.start()
+    try:
+        relay = wal_relay(
+            "--poll-interval", "0.5", broker=AMQP_URL.replace(":5672", f":{proxy.port}")
+        )
+        relay.wait_for_log("reading replication slot")
+        insert(wal_db, 3)
+        await received(rabbit, queue, 3)
+        proxy.stop()
+        ids = insert(wal_db, 5, keys=["k"])
+        after = wal_db.execute("SELECT pg_current_wal_lsn()::text")[0][0]
+        relay.wait_for_log("reconnect_wait", timeout=30)
+        # Other databases write on; the relay tries again and again.
+        for _ in range(3):
+            wal_db.server.execute("SELECT pg_switch_wal()")
+            await asyncio.sleep(1.0)
+        assert statuses(wal_db) == {"published": 3, "pending": 5}
+        assert not confirmed_at_least(wal_db, after)  # not past the unpublished rows
+        proxy.start()
+        got = await received(rabbit, queue, 5)
+        assert got == ids
+        await until(lambda: confirmed_at_least(wal_db, after), timeout=30)
+    finally:
+        proxy.close()
+
+
+async def test_a_slot_dropped_under_the_daemon_loses_nothing(
+    wal_db: WalDb, rabbit: Rabbit, wal_relay
+):
+    queue = await rabbit.queue("#")
+    relay = wal_relay("--poll-interval", "0.5")
+    relay.wait_for_log("reading replication slot")
+    ids = insert(wal_db, 10)
+
+    def dropped() -> bool:
+        try:
+            wal_db.execute("SELECT pg_drop_replication_slot(%s)", wal_db.slot)
+        except Exception:  # active for a moment (a read): again
+            return False
+        return True
+
+    await until(dropped, timeout=30)
+    ids += insert(wal_db, 10)  # committed while no slot was there
+    relay.wait_for_log("lost", timeout=30)
+    relay.wait_until_logged("reading replication slot", 2, timeout=30)
+    ids += insert(wal_db, 10)  # and after it was made again
+    await until(lambda: statuses(wal_db) == {"published": 30}, timeout=60)
+    assert sorted(await received(rabbit, queue, 30)) == sorted(ids)
+    assert wal_db.slot_row() is not None
+
+
+async def test_a_stand_by_takes_over_when_the_reader_goes(wal_db: WalDb, rabbit: Rabbit, wal_relay):
+    queue = await rabbit.queue("#")
+    first = wal_relay()
+    first.wait_for_log("reading replication slot")
+    second = wal_relay()
+    second.wait_for_log("outbox relay started")
+    ids = insert(wal_db, 5)
+    assert sorted(await received(rabbit, queue, 5)) == sorted(ids)
+    assert "reading replication slot" not in second.log
+    first.signal(signal.SIGKILL)
+    first.wait()
+    second.wait_for_log("reading replication slot", timeout=30)
+    ids = insert(wal_db, 5)
+    assert sorted(await received(rabbit, queue, 5)) == sorted(ids)
+
+
+# -- in-process: the memory broker's nacks, the slot's moves ----------------------
+
+
+class Capture:
+    """The outbox loop and the slot's reader in the test's process, on the
+    memory broker."""
+
+    def __init__(self, db: WalDb, **settings: Any) -> None:
+        settings.setdefault("poll_interval", 0.3)
+        config = OutboxSettings(
+            database_url=db.url,
+            broker=BrokerURL.parse(AMQP_URL),
+            exchange="relay",
+            backoff_min=0.5,
+            backoff_max=0.5,
+            **settings,
+        )  # type: ignore[arg-type]
+        self.broker = MemoryBroker()
+        self.broker.bind("all", "#")
+        self.store = Store(db.url)
+        self.metrics = OutboxMetrics()
+        self.metrics.slot_gauges()
+        self.relay = outbox_relay(config, self.store, self.broker.publisher(), self.metrics)
+        self.reader = SlotReader(self.store.conninfo, self.store.session_options, db.slot, None)
+        self.capture = WalCapture(
+            self.relay,
+            self.reader,
+            self.metrics,
+            poll_interval=config.poll_interval,
+            batch_size=config.batch_size,
+        )
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Self:
+        self.tasks = [
+            asyncio.create_task(self.relay.run()),
+            asyncio.create_task(self.capture.run()),
+        ]
+        await until(lambda: self.capture.reading, timeout=30)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.relay.stop()
+        self.capture.wake()
+        await asyncio.wait_for(asyncio.gather(*self.tasks), 30)
+        await self.relay.close()
+        await self.store.close()
+
+    def gauge(self, name: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name)
+
+
+async def test_a_failed_row_holds_its_key_and_the_slot(wal_db: WalDb):
+    async with Capture(wal_db, max_attempts=5) as run:
+        run.broker.nack_when(lambda row: row.key == "k" and row.attempts < 2)
+        first = insert(wal_db, 1, keys=["k"])[0]
+        first_end = wal_db.execute("SELECT pg_current_wal_lsn()::text")[0][0]
+        later = insert(wal_db, 3, keys=["k"]) + insert(wal_db, 1, keys=["k"])
+        others = insert(wal_db, 2, keys=["other"])
+        run.capture.wake()
+
+        def attempts() -> int:
+            return int(wal_db.execute("SELECT attempts FROM outbox WHERE id = %s", first)[0][0])
+
+        await until(lambda: attempts() >= 2, timeout=30)
+        # Nothing of key k went out past its failed head, and the slot
+        # stays before the head's commit.
+        sent = [m.message_id for m in run.broker.take("all")]
+        assert set(others) <= set(sent)
+        assert not set(sent) & {first, *later}
+        assert not confirmed_at_least(wal_db, first_end)
+        assert run.gauge("relay_outbox_slot_active") == 1
+        await until(lambda: statuses(wal_db) == {"published": 7}, timeout=30)
+        sent += [m.message_id for m in run.broker.take("all")]
+        assert [i for i in sent if i in {first, *later}] == [first, *later]
+        end = wal_db.execute("SELECT pg_current_wal_lsn()::text")[0][0]
+        insert(wal_db, 1)
+        run.capture.wake()
+        await until(lambda: confirmed_at_least(wal_db, end), timeout=30)
+
+
+async def test_a_quiet_outbox_does_not_hold_back_other_databases_wal(
+    wal_db: WalDb, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("relay.capture.STATUS_INTERVAL", 0.5)
+    other = f"other_{uuid.uuid4().hex[:8]}"
+    wal_db.server.execute(f"CREATE DATABASE {other}")
+    try:
+        async with Capture(wal_db) as run:
+            with wal_db.server.connect(other) as conn:
+                conn.execute("CREATE TABLE t AS SELECT g FROM generate_series(1, 20000) g")
+            written = wal_db.server.execute("SELECT pg_current_wal_lsn()::text")[0][0]
+            await until(lambda: confirmed_at_least(wal_db, written), timeout=30)
+            lag = await run.reader.lag()
+            assert lag is not None and lag < 1_000_000
+            assert statuses(wal_db) == {}  # no outbox row at all
+    finally:
+        wal_db.server.execute(f"DROP DATABASE {other} WITH (FORCE)")
