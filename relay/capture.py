@@ -125,10 +125,13 @@ class WalCapture:
                     checked = True
                 if not await self.reader.stand_by():
                     self._stand_by()
+                    self.relay.last_progress = time.monotonic()  # standing by is its work
                     continue
                 if not self.reading:
                     await self._start()
                 await self._round()
+                # Idle, the claim makes no progress to show: the reads do.
+                self.relay.last_progress = time.monotonic()
                 failures = 0
                 await self._wait()
             except SlotLost as exc:

@@ -36,7 +36,7 @@ from relay.db import (
     Store,
     slot_name,
 )
-from relay.db.connect import check_tls
+from relay.db.connect import check_tls, libpq_url
 from relay.db.writer import InboxWriter
 from relay.handlers import HandlerRegistry, is_async
 from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
@@ -182,7 +182,9 @@ def outbox_service(
             return
         if wal:
             reader = SlotReader(
-                store.conninfo,
+                # The reader's lock is a session's: a direct connection
+                # (--listen-url's) where the --database-url is a pooler's.
+                libpq_url(settings.listen_url) if settings.listen_url else store.conninfo,
                 store.session_options,
                 slot_name(settings.slot, settings.schema),
                 await store.locate(),
