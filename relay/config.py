@@ -616,6 +616,11 @@ class OutboxSettings(DaemonSettings):
         super().__post_init__()
         if self.capture not in ("poll", "wal"):
             raise ConfigError(f"invalid --capture {self.capture!r}: use poll or wal")
+        if self.slot is not None and not re.fullmatch(r"[a-z0-9_]{1,63}", self.slot):
+            raise ConfigError(
+                f"invalid --slot {self.slot!r}: a replication slot's name is 1 to 63 "
+                "lower-case letters, digits and underscores"
+            )
         if self.on_unroutable not in ("publish", "fail"):
             raise ConfigError(
                 f"invalid --on-unroutable {self.on_unroutable!r}: use publish or fail"

@@ -426,3 +426,16 @@ async def test_a_quiet_outbox_does_not_hold_back_other_databases_wal(
             assert statuses(wal_db) == {}  # no outbox row at all
     finally:
         wal_db.server.execute(f"DROP DATABASE {other} WITH (FORCE)")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--capture", "stream"], "invalid --capture 'stream': use poll or wal"),
+        (["--capture", "wal", "--slot", "Orders-Outbox"], "invalid --slot 'Orders-Outbox'"),
+    ],
+)
+def test_bad_capture_settings_exit_2(run_relay, flags: list[str], says: str):
+    done = run_relay("outbox", *flags, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
