@@ -44,26 +44,31 @@ def logical() -> Iterator[Cluster]:
         "relay_wal_", wal_level="logical", max_replication_slots="30", max_wal_senders="10"
     ) as server:
         server.execute("CREATE DATABASE relay_wal_tpl")
-        done = subprocess.run(
-            [*RELAY, "schema", "apply", "--database-url", server.url("relay_wal_tpl")],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
+        apply_schema(server.url("relay_wal_tpl"))
         yield server
+
+
+def apply_schema(url: str) -> None:
+    done = subprocess.run(
+        [*RELAY, "schema", "apply", "--database-url", url],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 class WalDb:
     """A test's database on the logical cluster and its slot's name."""
 
-    def __init__(self, server: Cluster) -> None:
+    def __init__(self, server: Cluster, name: str | None = None, slot: str | None = None) -> None:
         self.server = server
-        self.name = f"wal_{uuid.uuid4().hex[:10]}"
-        self.slot = f"s_{uuid.uuid4().hex[:10]}"
+        self.name = name or f"wal_{uuid.uuid4().hex[:10]}"
+        self.slot = slot or f"s_{uuid.uuid4().hex[:10]}"
         self.url = server.url(self.name)
-        server.execute(f"CREATE DATABASE {self.name} TEMPLATE relay_wal_tpl")
+        if name is None:
+            server.execute(f"CREATE DATABASE {self.name} TEMPLATE relay_wal_tpl")
 
     def execute(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         with self.server.connect(self.name) as conn:
@@ -136,15 +141,14 @@ def statuses(db: WalDb) -> dict[str, int]:
 
 
 @pytest.fixture
-def wal_relay(
-    wal_db: WalDb, rabbit: Rabbit, tmp_path: Any
-) -> Iterator[Callable[..., RelayProcess]]:
+def wal_relay_env(rabbit: Rabbit, tmp_path: Any) -> Iterator[Callable[..., RelayProcess]]:
+    """Start `relay outbox --capture wal` on a database URL, to the test's exchange."""
     started: list[RelayProcess] = []
 
-    def start(*args: str, broker: str = AMQP_URL) -> RelayProcess:
+    def start(url: str, *args: str, broker: str = AMQP_URL) -> RelayProcess:
         env = {
             "PATH": "/usr/bin:/bin",
-            "RELAY_DATABASE_URL": wal_db.url,
+            "RELAY_DATABASE_URL": url,
             "RELAY_BROKER_URL": broker,
             "RELAY_EXCHANGE": rabbit.exchange,
             "RELAY_LOG_LEVEL": os.environ.get("TEST_RELAY_LOG_LEVEL", "INFO"),
@@ -153,9 +157,7 @@ def wal_relay(
 
         env["PYTHONPATH"] = os.environ.get("PYTHONPATH", str(REPO))
         proc = RelayProcess(
-            ["outbox", "--capture", "wal", "--slot", wal_db.slot, *args],
-            env,
-            tmp_path / f"relay{len(started)}.log",
+            ["outbox", "--capture", "wal", *args], env, tmp_path / f"relay{len(started)}.log"
         )
         started.append(proc)
         return proc
@@ -163,6 +165,18 @@ def wal_relay(
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def wal_relay(
+    wal_db: WalDb, wal_relay_env: Callable[..., RelayProcess]
+) -> Callable[..., RelayProcess]:
+    """Start `relay outbox --capture wal` on the test's database and slot."""
+
+    def start(*args: str, broker: str = AMQP_URL) -> RelayProcess:
+        return wal_relay_env(wal_db.url, "--slot", wal_db.slot, *args, broker=broker)
+
+    return start
 
 
 async def received(rabbit: Rabbit, queue: aio_pika.abc.AbstractQueue, count: int) -> list[str]:
@@ -439,3 +453,53 @@ def test_bad_capture_settings_exit_2(run_relay, flags: list[str], says: str):
     done = run_relay("outbox", *flags, timeout=60)
     assert done.returncode == 2, done.stderr
     assert says in done.stderr
+
+
+@pytest.mark.timeout(300)
+async def test_a_standby_promoted_without_the_slot_loses_nothing(rabbit: Rabbit, wal_relay_env):
+    """PostgreSQL 15: logical slots are not on standbys. The standby (which
+    the primary waits for at each commit) is promoted after the primary
+    stops hard; the relay follows the writer, finds no slot there, makes it
+    and drains the table."""
+    with cluster(
+        "relay_wal_failover_",
+        wal_level="logical",
+        synchronous_standby_names="'standby'",
+        wal_keep_size="'256MB'",
+    ) as primary:
+        standby = primary.standby("standby")
+        try:
+            await until(
+                lambda: primary.execute(
+                    "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
+                )[0][0],
+                timeout=60,
+            )
+            primary.execute("CREATE DATABASE relay_fo")
+            await asyncio.to_thread(apply_schema, primary.url("relay_fo"))
+            hosts = f"127.0.0.1:{primary.port},127.0.0.1:{standby.port}"
+            url = f"postgresql://postgres@{hosts}/relay_fo?target_session_attrs=read-write"
+            queue = await rabbit.queue("#")
+            relay = wal_relay_env(url)
+            relay.wait_for_log("reading replication slot")
+            ids = insert(WalDb(primary, "relay_fo", "relay_outbox"), 10)
+            assert sorted(await received(rabbit, queue, 10)) == sorted(ids)
+            relay_slot = primary.execute(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'relay_outbox'"
+            )[0][0]
+            assert relay_slot == 1
+            primary.stop("immediate")
+            standby.promote()
+            standby.wait_writable()
+            after = WalDb(standby, "relay_fo", "relay_outbox")
+            ids = insert(after, 10)  # committed while no slot was there
+            relay.wait_until_logged("reading replication slot", 2, timeout=60)
+            ids += insert(after, 10)
+            await until(lambda: statuses(after) == {"published": 30}, timeout=90)
+            got = await received(rabbit, queue, 20)
+            while (message := await queue.get(no_ack=True, fail=False)) is not None:
+                got.append(message.message_id or "")
+            assert set(ids) <= set(got)  # at least once
+            assert after.slot_row() is not None
+        finally:
+            standby.stop("immediate")
