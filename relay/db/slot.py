@@ -31,7 +31,7 @@ from psycopg import sql
 from relay.db import connect as pg
 from relay.db import namespace
 from relay.db.errors import describe, is_disconnect
-from relay.db.pgoutput import Inserts, PgoutputError, Transaction, decode, lsn, lsn_text
+from relay.db.pgoutput import Inserts, PgoutputError, Transaction, lsn, lsn_text
 from relay.db.sql import pyformat, query
 from relay.errors import ConfigError, DatabaseUnavailable, RelayError
 
@@ -268,7 +268,7 @@ class SlotReader:
         transactions = []
         try:
             for (data,) in found:
-                done = inserts.feed(decode(data))
+                done = inserts.feed_bytes(data)
                 if done is not None and done.end_lsn > self.read_upto:
                     transactions.append(done)
         except PgoutputError as exc:

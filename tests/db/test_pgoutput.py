@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 import uuid
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -165,6 +166,56 @@ def test_inserts_fold_into_committed_transactions(
     folding = Inserts("public", "outbox")
     found = [t for m in stream if (t := folding.feed(decode(encode(m)))) is not None]
     assert found == expected
+    in_place = Inserts("public", "outbox")
+    read = [in_place.feed_bytes(encode(m)) for m in stream]
+    assert [t for t in read if t is not None] == expected
+
+
+def _outcome(folding: Inserts, feed: Any) -> Any:
+    try:
+        return feed(), folding._open
+    except PgoutputError:
+        return "PgoutputError"
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=40), st.sampled_from([b"I", b""]))
+def test_inserts_read_in_place_fare_as_decoded_ones(raw: bytes, head: bytes) -> None:
+    """Hostile bytes after a Begin and the outbox's Relation (oid 5, two
+    columns): read in place (feed_bytes) or decoded first, the same rows or
+    the same PgoutputError."""
+    data = head + raw if head else raw
+    results = []
+    for in_place in (False, True):
+        folding = Inserts("public", "outbox")
+        folding.feed(Begin(1, 0, 1))
+        folding.feed(_outbox(5))
+        feed = (
+            (lambda f=folding: f.feed_bytes(data))
+            if in_place
+            else (lambda f=folding: f.feed(decode(data)))
+        )
+        results.append(_outcome(folding, feed))
+    assert results[0] == results[1]
+
+
+@given(st.lists(st.uuids().map(str), min_size=1, max_size=3), st.integers(0, 2**40))
+def test_an_outbox_insert_read_in_place_matches_its_decoding(ids: list[str], seq: int) -> None:
+    for row_id in ids:
+        data = encode(Insert(5, (row_id.encode(), str(seq).encode())))
+        for cut in (len(data), len(data) - 1):
+            results = []
+            for in_place in (False, True):
+                folding = Inserts("public", "outbox")
+                folding.feed(Begin(1, 0, 1))
+                folding.feed(_outbox(5))
+                feed = (
+                    (lambda f=folding, d=data[:cut]: f.feed_bytes(d))
+                    if in_place
+                    else (lambda f=folding, d=data[:cut]: f.feed(decode(d)))
+                )
+                results.append(_outcome(folding, feed))
+            assert results[0] == results[1]
 
 
 def test_an_insert_into_a_relation_never_described_is_refused() -> None:
