@@ -257,17 +257,17 @@ class SlotReader:
         (those the slot still holds that were handed on before are left
         out), up to the server's position now."""
         async with self._errors() as conn:
-            upto = lsn(await self._scalar(conn, "wal_position"))
             cursor = await conn.execute(
-                pyformat(query("wal_peek")),
-                {"slot": self.slot, "upto": lsn_text(upto), "changes": self.changes},
+                pyformat(query("wal_peek")), {"slot": self.slot, "changes": self.changes}
             )
-            found = await cursor.fetchall()
+            rows = await cursor.fetchall()
+        upto = lsn(rows[0][0])
+        found = [data for _, data in rows if data is not None]
         # A fresh decoding session each call: the relations come again.
         inserts = self._inserts = Inserts(self.schema, "outbox")
         transactions = []
         try:
-            for (data,) in found:
+            for data in found:
                 done = inserts.feed_bytes(data)
                 if done is not None and done.end_lsn > self.read_upto:
                     transactions.append(done)
