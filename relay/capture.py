@@ -11,7 +11,7 @@ slot does not bring (rows that failed and wait for their next attempt,
 rows delayed by `available_at`, rows committed while no slot was read, a
 retried row) the loop's own claim publishes: its idle workers claim at
 --poll-interval while the table may hold such rows (claims_due), and not
-at all once it holds no pending row. A slot dropped or invalidated under
+otherwise. A slot dropped or invalidated under
 the reader loses nothing: it is logged, made again, the table drained by
 the claim, and reading goes on. One process reads a slot (the reader's
 lock, relay.db.slot); the others stand by and take over when it goes.
@@ -236,6 +236,21 @@ class WalCapture:
             if not self.relay.stopped_short(WAL_WORKER):
                 return  # (rows left out stay pending: _confirm sees them)
 
+    def _compact(self, pending: set[str]) -> None:
+        """Keep of the transactions behind a held one only what the slot's
+        move needs: each one's rows still pending, and of a run of finished
+        ones the last's position. What relay holds then grows with the rows
+        left to the claim, not with what committed after them (a row
+        delayed by a day holds the slot that long, not a day of ids)."""
+        kept: deque[Transaction] = deque()
+        for transaction in self._inflight:
+            rows = [row for row in transaction.rows if row[0] in pending]
+            if not rows and kept and not kept[-1].rows:
+                kept[-1] = Transaction(transaction.end_lsn, [], transaction.xid)
+            else:
+                kept.append(Transaction(transaction.end_lsn, rows, transaction.xid))
+        self._inflight = kept
+
     async def _confirm(self, upto: int, pending: set[str] | None) -> None:
         """Move the slot past the delivered transactions whose rows (and
         every earlier one's) are all published or dead; to `upto` (what the
@@ -249,6 +264,7 @@ class WalCapture:
                 )
             while self._inflight and not any(r in pending for r, _ in self._inflight[0].rows):
                 position = self._inflight.popleft().end_lsn
+            self._compact(pending)
         if not self._inflight:
             position = upto
         self._left = bool(self._inflight)

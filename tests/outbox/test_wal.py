@@ -503,3 +503,30 @@ async def test_a_standby_promoted_without_the_slot_loses_nothing(rabbit: Rabbit,
             assert after.slot_row() is not None
         finally:
             standby.stop("immediate")
+
+
+def test_what_is_held_behind_a_waiting_row_is_compacted():
+    """Behind a transaction whose row waits (failed, delayed), relay keeps
+    only the rows still pending and, of each run of finished transactions,
+    the last one's position: not every id committed since."""
+    from types import SimpleNamespace
+
+    from relay.db import Transaction
+
+    metrics = OutboxMetrics()
+    metrics.slot_gauges()
+    capture = WalCapture(
+        SimpleNamespace(), SimpleNamespace(), metrics, poll_interval=1.0, batch_size=10
+    )  # type: ignore[arg-type]
+    rows = {name: (str(uuid.uuid4()), n) for n, name in enumerate("abcdefg")}
+    held = [["a"], ["b"], ["c", "d"], ["e"], ["f"], ["g"]]
+    capture._inflight.extend(
+        Transaction(100 * (n + 1), [rows[r] for r in names], n) for n, names in enumerate(held)
+    )
+    capture._compact({rows["a"][0], rows["e"][0]})
+    assert [(t.end_lsn, [r[0] for r in t.rows]) for t in capture._inflight] == [
+        (100, [rows["a"][0]]),
+        (300, []),
+        (400, [rows["e"][0]]),
+        (600, []),
+    ]
