@@ -1,10 +1,11 @@
 """What every scenario of the benchmark shares: the sizes of a run, the
-report the figures go into, reading a daemon's /metrics, and the arguments
-and tables the daemons are started with.
+report the figures go into, reading a daemon's /metrics, the arguments and
+tables the daemons are started with, a `relay outbox --once` drain and the
+latency scenarios' producer.
 
-The scenario modules (bench.run, bench.backlog, bench.reference,
-bench.where, bench.pgbouncer) import these from here, and bench.run imports
-the scenarios: the imports run one way.
+The scenario modules (bench.backlog, bench.reference, bench.where,
+bench.pgbouncer, bench.kafka) import these from here, and bench.run imports
+the scenarios: the imports run one way (tests/ops/test_bench_imports.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
+import uuid
 from typing import Any
 
-from bench.common import AMQP_URL, BenchError, Proc, connect
+from bench.common import (
+    AMQP_URL,
+    BenchError,
+    Proc,
+    Resources,
+    batch_times,
+    connect,
+    payload,
+    scalar,
+    steady_rate,
+)
 from bench.handlers import EFFECTS_DDL
+
+# The source of the CloudEvents scenarios (bench.run, bench.kafka).
+CLOUDEVENTS_SOURCE = "https://bench.example.com/relay"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,3 +224,106 @@ def daemon_args(url: str, exchange: str, broker: str = AMQP_URL) -> list[str]:
 async def create_effects(url: str) -> None:
     async with await connect(url, autocommit=True) as conn:
         await conn.execute(EFFECTS_DDL)
+
+
+def rss_figures(
+    report: Report,
+    scenario: str,
+    who: str,
+    proc: Proc,
+    start: float | None = None,
+    end: float | None = None,
+) -> dict[str, Any]:
+    """Peak RSS of the daemon's processes; with a window, also the RSS at 10,
+    50 and 90 % of it."""
+    summary = proc.rss.summary(start, end)
+    report.add(
+        scenario,
+        f"{who}_peak_rss",
+        summary["peak_mb"],
+        "MB",
+        process_peaks_mb=summary["process_peaks_mb"],
+    )
+    if start is not None:
+        for pct in (10, 50, 90):
+            if f"rss_{pct}pct_mb" in summary:
+                report.add(scenario, f"{who}_rss_at_{pct}pct", summary[f"rss_{pct}pct_mb"], "MB")
+    return summary
+
+
+async def expect(url: str, sql: str, expected: int, what: str) -> None:
+    got = await scalar(url, sql)
+    if got != expected:
+        raise BenchError(f"{what}: {got}, expected {expected}")
+
+
+async def outbox_once(
+    res: Resources,
+    report: Report,
+    scenario: str,
+    url: str,
+    count: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    min_rate: float = 300,
+) -> None:
+    """Run `relay outbox --once` over a backlog of `count` rows and report its rates.
+
+    It fails if the drain takes longer than at `min_rate` msgs/s (or 2 min)."""
+    proc = res.relay("outbox", "outbox", "--once", *args, env=env)
+    ready = await proc.wait_log("outbox relay started", timeout=60)
+    code = await proc.wait_exit(timeout=max(120.0, count / min_rate))
+    ended, ended_wall = time.monotonic(), time.time()
+    if code != 0:
+        raise BenchError(f"relay outbox --once exited {code}:\n{proc.tail()}")
+    await expect(
+        url, "SELECT count(*) FROM outbox WHERE status = 'published'", count, "published rows"
+    )
+    points = await batch_times(url, "outbox")
+    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count, batches=len(points))
+    report.add(scenario, "rate_wall", count / (ended - ready), "msgs/s")
+    report.add(scenario, "startup", ready - proc.started, "s")
+    # From the start of the last batch to the exit: the last batch plus shutdown.
+    report.add(scenario, "last_batch_to_exit", ended_wall - points[-1][0], "s")
+    rss_figures(report, scenario, "outbox", proc)
+
+
+INSERT_ONE = "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
+
+
+async def produce(
+    url: str, topic: str, rate: int, seconds: float
+) -> tuple[dict[str, tuple[float, float]], float, list[float]]:
+    """Commit single-row transactions at `rate` per second for `seconds`.
+
+    Returns {message id: (time.time() right after the commit, scheduled
+    offset in seconds)}, the rate achieved and each INSERT+COMMIT's duration
+    (ms). Several connections share the schedule so that one slow commit
+    does not hold up the next."""
+    total = int(rate * seconds)
+    lanes = min(16, max(1, math.ceil(rate / 100)))
+    conns = [await connect(url) for _ in range(lanes)]
+    commits: dict[str, tuple[float, float]] = {}
+    durations: list[float] = []
+    try:
+        start = time.perf_counter() + 0.05
+
+        async def lane(first: int, conn: Any) -> None:
+            for i in range(first, total, lanes):
+                due = start + i / rate
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                message_id = str(uuid.uuid4())
+                began = time.perf_counter()
+                await conn.execute(INSERT_ONE, (message_id, topic, payload(i).decode()))
+                await conn.commit()
+                commits[message_id] = (time.time(), i / rate)
+                durations.append((time.perf_counter() - began) * 1000)
+
+        await asyncio.gather(*(lane(j, c) for j, c in enumerate(conns)))
+        achieved = total / (time.perf_counter() - start)
+    finally:
+        for conn in conns:
+            await conn.close()
+    return commits, achieved, durations

@@ -55,8 +55,15 @@ from bench.common import (
     payload,
     steady_rate,
 )
-from bench.harness import Report, Sizes, create_effects, daemon_args, handle_all
-from bench.where import ServerCpu, TreeCpu, cpu_seconds
+from bench.cpu import ServerCpu, TreeCpu, cpu_seconds
+from bench.harness import (
+    CLOUDEVENTS_SOURCE,
+    Report,
+    Sizes,
+    create_effects,
+    daemon_args,
+    handle_all,
+)
 from relay.outbox import WORKERS
 
 PARTITIONS = 6
@@ -402,8 +409,6 @@ async def scenario_kafka_cloudevents(res: Resources, sz: Sizes, report: Report) 
     interleaved (AB BA AB BA), each variant's median rate, their ratio and
     relay's and PostgreSQL's CPU a message. On Kafka the broker is not the
     bound (relay's own path is), so this is what CloudEvents costs relay."""
-    from bench.run import CLOUDEVENTS_SOURCE
-
     count = sz.multi
     rounds = 1 if count < 10_000 else 4
     server, broker = await measured_topic(res, "tansu-ce.log")

@@ -29,8 +29,7 @@ from bench.common import (
     percentile,
     relay_env,
 )
-from bench.harness import Report
-from bench.run import _outbox_once, produce
+from bench.harness import Report, outbox_once, produce
 from tests.pgbouncer import PgBouncer
 
 SETUPS = ("direct", "session", "transaction+listen-url", "transaction")
@@ -96,7 +95,7 @@ async def drain(setup: str, count: int) -> float:
         await res.bind_queue(exchange, queue)
         await insert_backlog(url, count, topic="bench.drain")
         report = Report()
-        await _outbox_once(
+        await outbox_once(
             res,
             report,
             "drain",

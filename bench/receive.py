@@ -21,7 +21,8 @@ import aio_pika
 
 from bench.backlog import keyed_message
 from bench.common import AMQP_URL
-from relay.brokers import aiormq_internals, make_consumer
+from relay.brokers import make_consumer
+from relay.brokers.amqp import aiormq_internals
 from relay.config import BrokerURL
 
 

@@ -58,8 +58,8 @@ from bench.common import (
     scalar,
     steady_rate,
 )
+from bench.cpu import cpu_seconds, pids_named
 from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
-from bench.where import cpu_seconds, pids_named
 from tests.moto_main import MOTO_MAIN
 
 NODE_DIR = REPO / "bench" / ".node"

@@ -31,7 +31,6 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import math
 import os
 import platform
 import resource
@@ -55,7 +54,6 @@ from bench.common import (
     AMQP_URL,
     REPO,
     BenchError,
-    Proc,
     Resources,
     batch_times,
     connect,
@@ -63,20 +61,23 @@ from bench.common import (
     free_port,
     insert_backlog,
     loadavg,
-    payload,
     percentile,
     relay_env,
-    scalar,
     steady_rate,
 )
 from bench.harness import (
+    CLOUDEVENTS_SOURCE,
     FULL,
     QUICK,
     Report,
     Sizes,
     create_effects,
     daemon_args,
+    expect,
     metrics,
+    outbox_once,
+    produce,
+    rss_figures,
     wait_metric,
 )
 from bench.kafka import scenario_kafka, scenario_kafka_backlog, scenario_kafka_cloudevents
@@ -94,37 +95,6 @@ from bench.reference import (
 from relay.outbox import WORKERS
 
 RESULTS = REPO / "bench" / "results"
-
-
-def _rss_figures(
-    report: Report,
-    scenario: str,
-    who: str,
-    proc: Proc,
-    start: float | None = None,
-    end: float | None = None,
-) -> dict[str, Any]:
-    """Peak RSS of the daemon's processes; with a window, also the RSS at 10,
-    50 and 90 % of it."""
-    summary = proc.rss.summary(start, end)
-    report.add(
-        scenario,
-        f"{who}_peak_rss",
-        summary["peak_mb"],
-        "MB",
-        process_peaks_mb=summary["process_peaks_mb"],
-    )
-    if start is not None:
-        for pct in (10, 50, 90):
-            if f"rss_{pct}pct_mb" in summary:
-                report.add(scenario, f"{who}_rss_at_{pct}pct", summary[f"rss_{pct}pct_mb"], "MB")
-    return summary
-
-
-async def _expect(url: str, sql: str, expected: int, what: str) -> None:
-    got = await scalar(url, sql)
-    if got != expected:
-        raise BenchError(f"{what}: {got}, expected {expected}")
 
 
 # --------------------------------------------------------------------------
@@ -162,7 +132,7 @@ async def scenario_naive(res: Resources, sz: Sizes, report: Report) -> None:
     await res.bind_queue(exchange, queue)
     await insert_backlog(url, sz.naive, topic="bench.naive")
     done, seconds = await run_naive(url, AMQP_URL, exchange, seconds=sz.naive_seconds)
-    await _expect(
+    await expect(
         url, "SELECT count(*) FROM outbox WHERE status = 'published'", done, "published rows"
     )
     depth = await res.queue_depth(queue)
@@ -179,40 +149,8 @@ async def scenario_naive(res: Resources, sz: Sizes, report: Report) -> None:
     )
 
 
-async def _outbox_once(
-    res: Resources,
-    report: Report,
-    scenario: str,
-    url: str,
-    count: int,
-    args: list[str],
-    env: dict[str, str] | None = None,
-    min_rate: float = 300,
-) -> None:
-    """Run `relay outbox --once` over a backlog of `count` rows and report its rates.
-
-    It fails if the drain takes longer than at `min_rate` msgs/s (or 2 min)."""
-    proc = res.relay("outbox", "outbox", "--once", *args, env=env)
-    ready = await proc.wait_log("outbox relay started", timeout=60)
-    code = await proc.wait_exit(timeout=max(120.0, count / min_rate))
-    ended, ended_wall = time.monotonic(), time.time()
-    if code != 0:
-        raise BenchError(f"relay outbox --once exited {code}:\n{proc.tail()}")
-    await _expect(
-        url, "SELECT count(*) FROM outbox WHERE status = 'published'", count, "published rows"
-    )
-    points = await batch_times(url, "outbox")
-    report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count, batches=len(points))
-    report.add(scenario, "rate_wall", count / (ended - ready), "msgs/s")
-    report.add(scenario, "startup", ready - proc.started, "s")
-    # From the start of the last batch to the exit: the last batch plus shutdown.
-    report.add(scenario, "last_batch_to_exit", ended_wall - points[-1][0], "s")
-    _rss_figures(report, scenario, "outbox", proc)
-
-
 # Flags bench.run's --cloudevents-source adds to the drain's `relay outbox`.
 DRAIN_ARGS: list[str] = []
-CLOUDEVENTS_SOURCE = "https://bench.example.com/relay"
 
 
 async def scenario_drain(
@@ -231,7 +169,7 @@ async def scenario_drain(
     await insert_backlog(url, sz.drain, topic="bench.drain")
     args = [*daemon_args(url, exchange), *DRAIN_ARGS, *extra]
     before = _children_cpu(), beam_cpu()
-    await _outbox_once(res, report, scenario, url, sz.drain, args)
+    await outbox_once(res, report, scenario, url, sz.drain, args)
     if cpu is not None:
         cpu["relay"] = cpu.get("relay", 0.0) + _children_cpu() - before[0]
         cpu["rabbitmq"] = cpu.get("rabbitmq", 0.0) + beam_cpu() - before[1]
@@ -274,47 +212,6 @@ async def scenario_cloudevents(res: Resources, sz: Sizes, report: Report) -> Non
         for who, seconds in spent.items():
             per = seconds / (rounds * sz.drain) * 1e6
             report.add("cloudevents", f"{who}_us_per_msg_{variant}", per, "us")
-
-
-INSERT_ONE = "INSERT INTO outbox (id, topic, type, payload) VALUES (%s, %s, 'Bench', %s::jsonb)"
-
-
-async def produce(
-    url: str, topic: str, rate: int, seconds: float
-) -> tuple[dict[str, tuple[float, float]], float, list[float]]:
-    """Commit single-row transactions at `rate` per second for `seconds`.
-
-    Returns {message id: (time.time() right after the commit, scheduled
-    offset in seconds)}, the rate achieved and each INSERT+COMMIT's duration
-    (ms). Several connections share the schedule so that one slow commit
-    does not hold up the next."""
-    total = int(rate * seconds)
-    lanes = min(16, max(1, math.ceil(rate / 100)))
-    conns = [await connect(url) for _ in range(lanes)]
-    commits: dict[str, tuple[float, float]] = {}
-    durations: list[float] = []
-    try:
-        start = time.perf_counter() + 0.05
-
-        async def lane(first: int, conn: Any) -> None:
-            for i in range(first, total, lanes):
-                due = start + i / rate
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                message_id = str(uuid.uuid4())
-                began = time.perf_counter()
-                await conn.execute(INSERT_ONE, (message_id, topic, payload(i).decode()))
-                await conn.commit()
-                commits[message_id] = (time.time(), i / rate)
-                durations.append((time.perf_counter() - began) * 1000)
-
-        await asyncio.gather(*(lane(j, c) for j, c in enumerate(conns)))
-        achieved = total / (time.perf_counter() - start)
-    finally:
-        for conn in conns:
-            await conn.close()
-    return commits, achieved, durations
 
 
 async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
@@ -364,7 +261,7 @@ async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
         await asyncio.sleep(0.5)
     if relay.popen.poll() is not None:
         raise BenchError(f"relay outbox exited {relay.popen.returncode}:\n{relay.tail()}")
-    _rss_figures(report, "latency", "outbox", relay)
+    rss_figures(report, "latency", "outbox", relay)
 
 
 async def _inbox_until(
@@ -397,10 +294,10 @@ async def _inbox_until(
     code = await proc.stop()
     if code != 0:
         raise BenchError(f"relay inbox exited {code} on SIGTERM:\n{proc.tail()}")
-    await _expect(
+    await expect(
         url, "SELECT count(*) FROM inbox WHERE status = 'processed'", count, "processed inbox rows"
     )
-    await _expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
+    await expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
     points = await batch_times(url, "inbox")
     report.add(scenario, "rate", steady_rate(points), "msgs/s", messages=count, batches=len(points))
     # Receiving alone (insert batches): tells which half limits the daemon.
@@ -417,7 +314,7 @@ async def _inbox_until(
             samples["relay_inbox_handler_seconds_sum"] / handled * 1000,
             "ms",
         )
-    _rss_figures(report, scenario, "inbox", proc)
+    rss_figures(report, scenario, "inbox", proc)
 
 
 async def scenario_inbox(res: Resources, sz: Sizes, report: Report) -> None:
@@ -468,7 +365,7 @@ async def scenario_sqs(res: Resources, sz: Sizes, report: Report) -> None:
     await insert_backlog(url, sz.sqs, topic=queue)
     broker = f"sqs://?region=us-east-1&endpoint_url={endpoint}"
     env = relay_env(**aws)
-    await _outbox_once(
+    await outbox_once(
         res,
         report,
         "sqs_outbox",
@@ -545,7 +442,7 @@ async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
         code = await proc.stop()
         if code != 0:
             raise BenchError(f"{proc.name} exited {code} on SIGTERM:\n{proc.tail()}")
-    await _expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
+    await expect(url, "SELECT count(*) FROM bench_effects", count, "handler rows")
     report.add("memory", "messages", count, "msgs")
     report.add(
         "memory",
@@ -557,7 +454,7 @@ async def scenario_memory(res: Resources, sz: Sizes, report: Report) -> None:
     report.add("memory", "pipeline_rate", count / (end - start), "msgs/s")
     # Each daemon's RSS over its own part: the outbox is done long before the inbox.
     for who, proc, until in (("outbox", outbox, published), ("inbox", inbox, end)):
-        summary = _rss_figures(report, "memory", who, proc, start, until)
+        summary = rss_figures(report, "memory", who, proc, start, until)
         first, last = summary.get("rss_10pct_mb"), summary.get("rss_90pct_mb")
         if first and last:
             report.add("memory", f"{who}_rss_growth_10_to_90pct", (last - first) / first * 100, "%")

@@ -5,7 +5,7 @@ around the broker's publisher (outside the claim check's, so that a large
 structured event goes to S3 whole). It turns each row into the event in
 the binding of the broker it goes to (BINDINGS, by BrokerURL.kind):
 
-- binary mode (RabbitMQ, Kafka): the attributes as message attributes
+- binary mode (RabbitMQ, Kafka, NATS): the attributes as message attributes
   (relay.rows.OutboxRow.attributes: `cloudEvents_id`, `ce_id`, ...), the
   body as it is; `datacontenttype` is the content type the adapter already
   sets (application/json);
@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from relay.brokers import Incoming, Publisher, PublisherWrapper, PublishResult
+from relay.brokers import KINDS, Incoming, Publisher, PublisherWrapper, PublishResult
 from relay.errors import ContentError
 from relay.rows import OutboxRow
 from relay.storable import loads
@@ -74,20 +74,23 @@ class Binding:
     prefixes (the first one written), or structured mode (no prefixes)."""
 
     prefixes: tuple[str, ...]
+    # Binary mode: the header that holds datacontenttype, written here when
+    # it is not the one the adapter already sets (NATS: `content-type`
+    # beside its own `Content-Type`).
+    content_type: str | None = None
 
     @property
     def binary(self) -> bool:
         return bool(self.prefixes)
 
 
-# By BrokerURL.kind. RabbitMQ: the AMQP binding as the CloudEvents SDKs
-# write it (application properties are AMQP 0-9-1 headers); Kafka: the
-# Kafka binding; SQS has no binding of its own: structured mode, the JSON
-# event format, in the body.
+# By BrokerURL.kind, as the kinds table (relay.brokers.KINDS) says. RabbitMQ:
+# the AMQP binding as the CloudEvents SDKs write it (application properties
+# are AMQP 0-9-1 headers); Kafka and NATS: `ce_` headers (NATS: `ce-` too,
+# as the Go SDK writes its NATS binding, read); SQS has no
+# binding of its own: structured mode, the JSON event format, in the body.
 BINDINGS: dict[str, Binding] = {
-    "amqp": Binding(("cloudEvents_", "cloudEvents:")),
-    "kafka": Binding(("ce_",)),
-    "sqs": Binding(()),
+    name: Binding(kind.cloudevents, kind.cloudevents_content_type) for name, kind in KINDS.items()
 }
 STRUCTURED = Binding(())
 
@@ -167,10 +170,12 @@ class CloudEventsPublisher(PublisherWrapper):
         self._traceparent = prefix + "traceparent"
         # The same two pairs on every row: made once (fewer objects a row,
         # fewer garbage collections in the drain).
-        self._constant = (
+        self._constant: tuple[tuple[str, str | int], ...] = (
             (self._names["specversion"], SPECVERSION),
             (self._names["source"], source),
         )
+        if binding.binary and binding.content_type:
+            self._constant += ((binding.content_type, DATA_TYPE),)
 
     def attributes(self, row: OutboxRow) -> tuple[tuple[str, str | int], ...]:
         """The event's attributes for a row, but its data and (binary mode:

@@ -212,6 +212,11 @@ _SQS_QUEUE = (
     "--queue-type and --queue-arg apply to RabbitMQ only: an SQS queue's "
     "attributes are set where it is created"
 )
+# The URL kinds `relay inbox` cannot read, and why.
+PUBLISH_ONLY: dict[str, str] = {
+    "sns": "sns:// publishes only (relay outbox): relay inbox reads an SQS queue "
+    "subscribed to the SNS topic (--broker-url sqs:// --queue QUEUE)",
+}
 REFUSED_OPTIONS: dict[str, dict[str, str]] = {
     "amqp": {},
     "sqs": {
@@ -225,24 +230,39 @@ REFUSED_OPTIONS: dict[str, dict[str, str]] = {
         "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Kafka "
         "consumer reads the topics --queue lists",
     ),
+    "redis": dict.fromkeys(
+        ("--queue-type", "--queue-arg", "--bind"),
+        "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a Redis "
+        "consumer group reads the streams --queue lists",
+    ),
+    "nats": dict.fromkeys(
+        ("--queue-type", "--queue-arg", "--bind"),
+        "--bind, --queue-type and --queue-arg apply to RabbitMQ only: a NATS "
+        "stream captures the subjects it was made with",
+    ),
 }
 
 
 @dataclass(frozen=True)
 class BrokerURL:
-    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS
-    or `kafka(s)://…` for Kafka."""
+    """A parsed --broker-url: `amqp(s)://…` for RabbitMQ, `sqs://…` for SQS,
+    `sns://…` for SNS, `kafka(s)://…` for Kafka, `nats(s)://…` for NATS
+    JetStream or `redis(s)://…` for Redis Streams."""
 
     url: str
-    kind: str  # "amqp", "sqs" or "kafka"
-    sqs_region: str | None = None
-    sqs_endpoint_url: str | None = None
+    kind: str  # "amqp", "sqs", "sns", "kafka", "nats" or "redis"
+    # SQS and SNS: the URL's region and endpoint_url, over boto3's own.
+    aws_region: str | None = None
+    aws_endpoint_url: str | None = None
     # RabbitMQ: the nodes to try, in order (`url` may list several).
     nodes: tuple[str, ...] = ()
     # Kafka: the librdkafka client properties the URL gives (bootstrap
     # servers, security protocol, SASL and the query's own), relay's own
     # settings not included (relay.brokers.kafka adds them).
     kafka: tuple[tuple[str, str], ...] = ()
+    # NATS: the servers (`nodes`: nats://[USER:PASSWORD@]HOST:PORT each) and
+    # the URL's options (`ca`, `creds`; `tls` when natss://).
+    nats: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, url: str | None) -> BrokerURL:
@@ -265,6 +285,9 @@ class BrokerURL:
             raise ConfigError("invalid broker URL: an empty URL in the list")
         if url.partition("://")[0] in ("kafka", "kafkas"):  # HOST:PORT,HOST:PORT
             return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
+        if url.partition("://")[0] in ("nats", "natss"):
+            servers, options = parse_nats_url(url)
+            return cls(url=url, kind="nats", nodes=servers, nats=options)
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -283,28 +306,34 @@ class BrokerURL:
             return cls(url=url, kind="amqp", nodes=(url,))
         if parts.scheme in ("kafka", "kafkas"):
             return cls(url=url, kind="kafka", kafka=parse_kafka_url(url))
-        if parts.scheme == "sqs":
+        if parts.scheme in ("redis", "rediss"):
+            check_redis_url(url)
+            return cls(url=url, kind="redis")
+        if parts.scheme in ("sqs", "sns"):  # the AWS settings, as boto3 resolves them
             query = urllib.parse.parse_qs(parts.query)
             unknown = set(query) - {"region", "endpoint_url"}
             if unknown:
                 raise ConfigError(
                     f"invalid broker URL {redact_url(url)!r}: unknown parameter(s) "
-                    f"{', '.join(sorted(unknown))}; sqs:// takes region and endpoint_url"
+                    f"{', '.join(sorted(unknown))}; {parts.scheme}:// takes region and "
+                    "endpoint_url"
                 )
             endpoint = query.get("endpoint_url", [None])[-1]
             if endpoint and not urllib.parse.urlsplit(endpoint).scheme.startswith("http"):
                 raise ConfigError(
-                    f"invalid SQS endpoint_url {redact_url(endpoint)!r}: expected http(s)://"
+                    f"invalid {parts.scheme.upper()} endpoint_url {redact_url(endpoint)!r}: "
+                    "expected http(s)://"
                 )
             return cls(
                 url=url,
-                kind="sqs",
-                sqs_region=query.get("region", [None])[-1],
-                sqs_endpoint_url=endpoint,
+                kind=parts.scheme,
+                aws_region=query.get("region", [None])[-1],
+                aws_endpoint_url=endpoint,
             )
         raise ConfigError(
             f"unsupported broker URL scheme {parts.scheme or redact_url(url)!r}: "
-            "use amqp://user:pass@host:port/vhost, sqs:// or kafka://host:port"
+            "use amqp://user:pass@host:port/vhost, sqs://, sns://, kafka://host:port, "
+            "nats://host:port or redis://host:port"
         )
 
     def __repr__(self) -> str:  # never leak the password through a repr
@@ -440,6 +469,102 @@ def parse_kafka_url(url: str) -> tuple[tuple[str, str], ...]:
             f"{scheme}:// needs the Kafka client, which is not installed: {KAFKA_EXTRA}"
         ) from None
     return tuple(config.items())
+
+
+# --------------------------------------------------------------------------
+# redis:// and rediss://
+# --------------------------------------------------------------------------
+
+REDIS_EXTRA = "pip install 'relay-outbox[redis]'"
+
+
+def check_redis_url(url: str) -> None:
+    """`redis(s)://[[USER]:PASSWORD@]HOST:PORT[/DB][?…]` as redis-py reads
+    it (its own parser, so that relay takes what redis-py takes), or
+    ConfigError naming what is wrong; ConfigError naming the extra when
+    redis-py is not installed."""
+    shown = redact_url(url)
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise ConfigError(f"invalid broker URL {shown!r}: no host")
+    if "," in parts.netloc:
+        raise ConfigError(f"invalid broker URL {shown!r}: a Redis URL names one server")
+    if not re.fullmatch(r"/?[0-9]*", parts.path):
+        # redis-py would ignore it and use database 0.
+        raise ConfigError(
+            f"invalid broker URL {shown!r}: the path is the database number (/0, /1, …)"
+        )
+    try:
+        from redis.connection import parse_url
+    except ImportError:
+        raise ConfigError(
+            f"{parts.scheme}:// needs the Redis client, which is not installed: {REDIS_EXTRA}"
+        ) from None
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid broker URL {shown!r}: {exc}") from None
+
+
+# --------------------------------------------------------------------------
+# nats:// and natss://
+# --------------------------------------------------------------------------
+
+NATS_EXTRA = "pip install 'relay-outbox[nats]'"
+NATS_DEFAULT_PORT = 4222
+_NATS_FILES = {"ca": "natss://", "creds": "nats:// or natss://"}
+
+
+def parse_nats_url(url: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """`nats(s)://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][?ca=PATH&creds=PATH]`
+    as the servers to give nats-py (each `nats://[USER:PASSWORD@]HOST:PORT`)
+    and the options (`ca`, `creds`, `tls`), or ConfigError naming what is wrong."""
+    shown = redact_url(url)
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    rest = rest.rstrip("/")
+    userinfo, at, hosts = rest.rpartition("@")
+    if "/" in hosts:
+        raise ConfigError(f"invalid broker URL {shown!r}: a NATS URL has no path")
+    servers = []
+    for host in hosts.split(","):
+        match = _HOST_PORT.match(host.strip())
+        if not match:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: expected HOST:PORT[,HOST:PORT…], not "
+                f"{host.strip()!r}"
+            )
+        port = int(match.group(2) or NATS_DEFAULT_PORT)
+        if not 0 < port < 65536:
+            raise ConfigError(f"invalid broker URL {shown!r}: bad port {port}")
+        servers.append(f"nats://{userinfo + '@' if at else ''}{match.group(1)}:{port}")
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as exc:
+        raise ConfigError(f"invalid broker URL {shown!r}: {exc}") from None
+    options: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in _NATS_FILES:
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: unknown parameter {name!r}; {scheme}:// takes "
+                + ("ca and creds" if scheme == "natss" else "creds (and natss:// ca)")
+            )
+        if name == "ca" and scheme != "natss":
+            raise ConfigError(
+                f"invalid broker URL {shown!r}: ca applies to natss:// (TLS), not nats://"
+            )
+        if not value or not os.path.isfile(os.path.expanduser(value)):
+            raise ConfigError(f"invalid broker URL {shown!r}: {name} {value!r}: no such file")
+        options[name] = os.path.expanduser(value)
+    if scheme == "natss":
+        options["tls"] = "1"
+    try:
+        import nats  # noqa: F401 - the optional extra
+    except ImportError:
+        raise ConfigError(
+            f"{scheme}:// needs the NATS client, which is not installed: {NATS_EXTRA}"
+        ) from None
+    return tuple(servers), tuple(options.items())
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(|B|KiB|MiB|GiB)\s*$")
@@ -606,6 +731,8 @@ class OutboxSettings(DaemonSettings):
     on_unroutable: str = "publish"
     # Every message also a CloudEvent with this source (relay.cloudevents); None: off.
     cloudevents_source: str | None = None
+    # Redis Streams: XADD's `MAXLEN ~ N` (None: the streams grow).
+    stream_maxlen: int | None = None
     # How committed rows are learnt of: "poll" (the claim, woken by
     # notifications) or "wal" (a logical replication slot: relay.capture).
     capture: str = "poll"
@@ -614,6 +741,11 @@ class OutboxSettings(DaemonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.stream_maxlen is not None:
+            if self.stream_maxlen <= 0:
+                raise ConfigError(f"invalid --stream-maxlen {self.stream_maxlen}: must be positive")
+            if self.broker is not None and self.broker.kind != "redis":
+                raise ConfigError("--stream-maxlen applies to Redis Streams (redis://) only")
         if self.capture not in ("poll", "wal"):
             raise ConfigError(f"invalid --capture {self.capture!r}: use poll or wal")
         if self.slot is not None and not re.fullmatch(r"[a-z0-9_]{1,63}", self.slot):
@@ -649,9 +781,14 @@ class InboxSettings(DaemonSettings):
     # queue its owner declared otherwise is used as it is.
     queue_type: str | None = None
     queue_args: tuple[tuple[str, str | int], ...] = ()
+    # Redis Streams: seconds an entry delivered to a consumer of the group
+    # stays unacknowledged before another consumer claims it.
+    claim_idle: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.broker is not None and self.broker.kind in PUBLISH_ONLY:
+            raise ConfigError(PUBLISH_ONLY[self.broker.kind])
         if not self.queue:
             raise ConfigError("no queue: set --queue or RELAY_QUEUE")
         if self.queue_type not in (None, "classic", "quorum"):
@@ -674,15 +811,24 @@ class InboxSettings(DaemonSettings):
         ):
             if given and option in refused:
                 raise ConfigError(refused[option])
-        kafka = self.broker is not None and self.broker.kind == "kafka"
-        if kafka and not all(t.strip() for t in self.queue.split(",")):
-            raise ConfigError(f"invalid --queue {self.queue!r}: list Kafka topics as TOPIC,TOPIC")
+        # Kafka's topics and Redis's streams: --queue is a list.
+        kind = self.broker.kind if self.broker is not None else None
+        listed = kind in ("kafka", "redis")
+        if listed and not all(t.strip() for t in self.queue.split(",")):
+            what = (
+                "Kafka topics as TOPIC,TOPIC"
+                if kind == "kafka"
+                else "Redis streams as STREAM,STREAM"
+            )
+            raise ConfigError(f"invalid --queue {self.queue!r}: list {what}")
         if not self.consumer_name:
-            # Kafka: the consumer group (and dedup scope) is the first topic's name.
-            first = self.queue.split(",")[0].strip() if kafka else self.queue
+            # Kafka and Redis: the consumer group (and dedup scope) is the
+            # first topic's or stream's name.
+            first = self.queue.split(",")[0].strip() if listed else self.queue
             object.__setattr__(self, "consumer_name", first)
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
+        _positive("claim-idle", self.claim_idle)
 
 
 _INTEGER = re.compile(r"^[+-]?[0-9]+$")

@@ -25,8 +25,9 @@ from typing import Any, TextIO
 
 import relay
 from relay.backoff import Backoff, sleep_unless
-from relay.brokers import kind_of
+from relay.brokers import kind_of, prepare_demo
 from relay.config import (
+    PUBLISH_ONLY,
     BrokerURL,
     InboxSettings,
     OutboxSettings,
@@ -101,6 +102,11 @@ class DemoSettings:
             raise ConfigError(f"invalid --duration {self.duration}: must be 0 or more")
         if self.broker is None and not self.producer_only:
             raise ConfigError("no broker URL: set --broker-url or RELAY_BROKER_URL")
+        if self.broker is not None and not self.producer_only and self.broker.kind in PUBLISH_ONLY:
+            raise ConfigError(
+                f"relay demo runs the inbox on its broker URL too, and "
+                f"{PUBLISH_ONLY[self.broker.kind]}; run the demo on sqs:// instead"
+            )
 
     @property
     def topic(self) -> str:
@@ -264,6 +270,11 @@ async def run_demo(settings: DemoSettings, out: TextIO = sys.stdout) -> int:
     if created:
         out.write(f"relay demo: created database {created!r}\n")
     applied = await prepare(settings.database_url, settings.schema)
+    if settings.broker is not None and not settings.producer_only:
+        try:
+            await prepare_demo(settings.broker, settings.queue, settings.topic)
+        except Unavailable as exc:  # the daemons wait for the broker, and say so
+            out.write(f"relay demo: {exc}\n")
     out.write(
         f"relay demo: schema {'applied: ' + ', '.join(applied) if applied else 'up to date'}"
         f"; producing {settings.rate:g} messages/s to topic {settings.topic!r}"

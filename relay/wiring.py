@@ -84,6 +84,7 @@ def outbox_publisher(
         exchange=settings.exchange,
         on_unroutable=settings.on_unroutable,
         workers=WORKERS,
+        stream_maxlen=settings.stream_maxlen,
     )
     if settings.claim_check is not None:
         from relay.claimcheck.publisher import ClaimCheckPublisher  # boto3, only when asked for
@@ -361,6 +362,7 @@ def receiver_parts(settings: InboxSettings, consumer: Consumer | None = None) ->
             consumer_name=settings.consumer_name,
             # The bodies received and not yet acknowledged (relay.budget).
             max_bytes=settings.batch_bytes // RECEIVED_SHARE,
+            claim_idle=settings.claim_idle,
         )
     else:
         given = consumer

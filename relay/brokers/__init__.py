@@ -1,8 +1,9 @@
 """The ports the loops talk to, and the factory that picks an adapter by URL.
 
 The outbox loop sees a Publisher; the inbox loop sees a Consumer. Neither
-knows which broker is behind it: RabbitMQ (`amqp.py`) and SQS (`sqs.py`)
-each implement both. KINDS is the factory's table, from a URL's kind
+knows which broker is behind it: RabbitMQ (`amqp/`), SQS (`sqs.py`) and
+Kafka (`kafka.py`) each implement both, SNS (`sns.py`) only the publisher
+(what SQS and SNS share is `aws.py`). KINDS is the factory's table, from a URL's kind
 (relay.config.BrokerURL.kind) to its adapter's module and what the layers
 above need to know of that broker; a new broker is its adapter module and
 one line there. Nothing here, nor in an adapter, imports a module above the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import importlib
+import logging
 import re
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -27,6 +29,8 @@ from relay.config import BrokerURL
 from relay.errors import BadMessage
 from relay.limits import MAX_JSON_DEPTH, json_depth
 from relay.rows import Failure, OutboxRow
+
+_log = logging.getLogger("relay.brokers")
 
 
 class Outcome(enum.Enum):
@@ -239,6 +243,26 @@ def encode_failure(exc: Exception) -> Failure:
     )
 
 
+def warn_out_of_order(
+    rows: Sequence[OutboxRow], results: Sequence[PublishResult], broker: str
+) -> None:
+    """Log each row of a key that the broker took after an earlier row of
+    its key in the same batch failed: sent together (a pipeline, a
+    producer's queue), the later one could not be held back."""
+    failed: set[str] = set()
+    for row, result in zip(rows, results, strict=True):
+        if row.key is None:
+            continue
+        if row.key in failed and result is None:
+            _log.warning(
+                "a row of key %r reached %s after an earlier row of its key failed",
+                row.key,
+                broker,
+            )
+        if result is not None:
+            failed.add(row.key)
+
+
 def check_topic(row: OutboxRow) -> None:
     if not row.topic:
         raise BadMessage("topic is empty")
@@ -256,17 +280,23 @@ class ConsumerOptions:
     prefetch: int
     queue_type: str | None = None
     queue_args: Sequence[tuple[str, str | int]] = ()
-    consumer_name: str = ""  # Kafka's consumer group
+    consumer_name: str = ""  # Kafka's and Redis's consumer group
     # About the most bytes of bodies received and not yet acknowledged.
     max_bytes: int | None = None
+    # Seconds a message delivered to another consumer stays unacknowledged
+    # before this one takes it over (Redis's pending entries: XAUTOCLAIM).
+    claim_idle: float = 30.0
 
 
 class Adapter(Protocol):
     """What an adapter module (relay/brokers/<kind>.py) offers the factory."""
 
     def publisher(
-        self, broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str
-    ) -> Publisher: ...
+        self, broker: BrokerURL, *, exchange: str, workers: int, on_unroutable: str, **only: Any
+    ) -> Publisher:
+        """`only`: the options of one broker kind alone (Redis's
+        stream_maxlen), passed only when given: relay.config refuses them
+        for the others."""
 
     def consumer(self, broker: BrokerURL, options: ConsumerOptions) -> Consumer: ...
 
@@ -280,14 +310,34 @@ class Kind:
     # The publisher's topic names the queue a consumer reads (SQS): no
     # exchange, no bindings. Else the topic is routed by an exchange.
     topic_is_queue: bool
+    # CloudEvents' binary mode on this broker: the attributes' header
+    # prefixes (the first one written); none: structured mode (relay.cloudevents).
+    cloudevents: tuple[str, ...] = ()
+    # Binary mode: the header for datacontenttype, when the adapter's own
+    # content type header is not it.
+    cloudevents_content_type: str | None = None
 
 
 # The factory's table: URL kind -> adapter. A new broker adds its line here,
 # its module beside this one, and its URL to relay.config.BrokerURL.
 KINDS: dict[str, Kind] = {
-    "amqp": Kind("relay.brokers.amqp", system="rabbitmq", topic_is_queue=False),
+    "amqp": Kind(
+        "relay.brokers.amqp",
+        system="rabbitmq",
+        topic_is_queue=False,
+        cloudevents=("cloudEvents_", "cloudEvents:"),
+    ),
     "sqs": Kind("relay.brokers.sqs", system="aws_sqs", topic_is_queue=True),
-    "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True),
+    "kafka": Kind("relay.brokers.kafka", system="kafka", topic_is_queue=True, cloudevents=("ce_",)),
+    "nats": Kind(
+        "relay.brokers.nats",
+        system="nats",
+        topic_is_queue=True,
+        cloudevents=("ce_", "ce-"),
+        cloudevents_content_type="content-type",
+    ),
+    "sns": Kind("relay.brokers.sns", system="aws.sns", topic_is_queue=True),
+    "redis": Kind("relay.brokers.redis", system="redis", topic_is_queue=True),
 }
 
 
@@ -299,16 +349,29 @@ def _adapter(broker: BrokerURL) -> Adapter:
     return cast(Adapter, importlib.import_module(kind_of(broker).module))
 
 
+async def prepare_demo(broker: BrokerURL, queue: str, topic: str) -> None:
+    """What `relay demo` needs of the broker before its daemons start, made
+    when missing (a NATS stream for its topic) by the adapter's `demo_queue`,
+    if it has one; the daemons themselves never make it."""
+    made = getattr(_adapter(broker), "demo_queue", None)
+    if made is not None:
+        await made(broker, queue, topic)
+
+
 def make_publisher(
     broker: BrokerURL,
     *,
     exchange: str,
     workers: int,
     on_unroutable: str = "publish",
+    stream_maxlen: int | None = None,
 ) -> Publisher:
     """The publisher for `broker`, shared by `workers` outbox workers."""
+    only: dict[str, Any] = {}
+    if stream_maxlen is not None:
+        only["stream_maxlen"] = stream_maxlen
     return _adapter(broker).publisher(
-        broker, exchange=exchange, workers=workers, on_unroutable=on_unroutable
+        broker, exchange=exchange, workers=workers, on_unroutable=on_unroutable, **only
     )
 
 
@@ -323,11 +386,13 @@ def make_consumer(
     queue_args: Sequence[tuple[str, str | int]] = (),
     consumer_name: str = "",
     max_bytes: int | None = None,
+    claim_idle: float = 30.0,
 ) -> Consumer:
     """The consumer of `queue` on `broker`; RabbitMQ's holds at most about
     `max_bytes` of bodies received and not yet acknowledged (SQS's, at most
     100 messages, relay.brokers.sqs.MAX_HELD, of SQS's 1 MiB at most each;
-    Kafka's is bounded by librdkafka's own queue, not by `max_bytes`)."""
+    Kafka's is bounded by librdkafka's own queue, not by `max_bytes`;
+    Redis's, as RabbitMQ's, by `max_bytes`)."""
     return _adapter(broker).consumer(
         broker,
         ConsumerOptions(
@@ -339,5 +404,6 @@ def make_consumer(
             queue_args=queue_args,
             consumer_name=consumer_name,
             max_bytes=max_bytes,
+            claim_idle=claim_idle,
         ),
     )

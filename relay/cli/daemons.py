@@ -33,7 +33,8 @@ def daemon_options(f: F, *, several: bool = False) -> F:
                 required=True,
                 help="amqp://user:pass@host:port/vhost (several RabbitMQ nodes: comma-separated) "
                 "sqs://[?region=..&endpoint_url=..] "
-                "or kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT..][?PROPERTY=VALUE&..]",
+                "kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT..][?PROPERTY=VALUE&..] "
+                "or redis://[[USER]:PASSWORD@]HOST:PORT[/DB]",
             ),
             option(
                 "--batch-size",
@@ -164,7 +165,14 @@ def daemon_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
     default=None,
     metavar="URI",
     help="send every message as a CloudEvent 1.0 with this source (a URI-reference): "
-    "binary mode on RabbitMQ and Kafka, structured on SQS",
+    "binary mode on RabbitMQ and Kafka, structured on SQS and Redis",
+)
+@option(
+    "--stream-maxlen",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Redis Streams: trim each stream to about N entries as relay adds to it (MAXLEN ~ N)",
 )
 @option(
     "--capture",
@@ -224,7 +232,7 @@ def outbox(once: bool, **kwargs: Any) -> None:
     "--queue",
     required=True,
     help="queue to consume (RabbitMQ: declared durable if missing; SQS: its name; "
-    "Kafka: TOPIC[,TOPIC..])",
+    "Kafka: TOPIC[,TOPIC..]; Redis: STREAM[,STREAM..])",
 )
 @option(
     "--bind",
@@ -266,6 +274,14 @@ def outbox(once: bool, **kwargs: Any) -> None:
     metavar="NAME=VALUE",
     help="RabbitMQ queue argument when relay declares the queue (repeatable; "
     "an integer value is sent as one), e.g. x-max-length=100000",
+)
+@option(
+    "--claim-idle",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Redis Streams: seconds an entry stays unacknowledged by another consumer of the "
+    "group (one that died) before this one claims it",
 )
 def inbox(**kwargs: Any) -> None:
     """The inbox daemon: consume a queue into the inbox table and dispatch rows to handlers."""

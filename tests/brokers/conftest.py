@@ -1,5 +1,6 @@
-"""The `port` fixture: each broker (RabbitMQ, SQS on moto's server, Kafka
-on Tansu, the memory broker) behind one small interface, for the contract suite.
+"""The `port` fixture: each broker (RabbitMQ, SQS on moto's server, SNS
+on the same, Kafka on Tansu, the memory broker) behind one small
+interface, for the contract suite.
 
 The adapters run in the test's own process, built as relay builds them
 (make_publisher, make_consumer, MemoryBroker). Each helper knows where a
@@ -27,7 +28,10 @@ from relay.config import BrokerURL
 from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, Rabbit
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
+from tests.nats_server import Nats, nats_helper, nats_server  # noqa: F401 - fixtures
 from tests.proxy import Proxy
+from tests.redis_server import Redis, redis_server, redis_streams  # noqa: F401 - fixtures
+from tests.sns_server import Sns, sns  # noqa: F401 - fixture
 from tests.sqs_server import REGION, Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 
 
@@ -227,6 +231,7 @@ class SqsPort:
             monkeypatch.setenv(name, value)
         endpoint = f"http://127.0.0.1:{proxy.port}"
         self.url = f"sqs://?region={REGION}&endpoint_url={urllib.parse.quote(endpoint)}"
+        self.inbox_url = self.url
 
     def topic(self, base: str, *, ordered: bool = False) -> str:
         return self.sqs.name(base, fifo=ordered)
@@ -293,7 +298,11 @@ class SqsPort:
 
     def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
         return make_consumer(
-            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+            BrokerURL.parse(self.inbox_url),
+            queue=queue,
+            exchange="relay",
+            binds=(),
+            prefetch=prefetch,
         )
 
     async def send(
@@ -328,6 +337,85 @@ class SqsPort:
     def unreachable(self) -> Publisher:
         return make_publisher(
             BrokerURL.parse(f"sqs://?region={REGION}&endpoint_url=http://127.0.0.1:1"),
+            exchange="relay",
+            workers=WORKERS,
+        )
+
+
+class SnsPort(SqsPort):
+    """SNS publishes only: what the outbox publishes is read back from an
+    SQS queue subscribed with raw message delivery; the consumer half is
+    relay's SQS consumer of a queue subscribed without it, opening SNS's
+    notification envelopes, what SNS delivers to it published to the topic."""
+
+    kind = "sns"
+
+    def __init__(self, sns: Sns, proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__(sns.sqs, proxy, monkeypatch)
+        self.sns = sns
+        for name, value in sns.env.items():
+            monkeypatch.setenv(name, value)
+        self.url = self.url.replace("sqs://", "sns://", 1)
+        self.topics: dict[str, str] = {}  # inbox queue -> its topic
+
+    async def destination(self, topic: str) -> str:
+        self.sns.topic(topic)
+        return self.sns.subscribe(topic, topic, raw=True)
+
+    async def refuse(self, publisher: Publisher, topic: str) -> str:
+        # moto fails an entry of PublishBatch whose MessageStructure is not
+        # `json`; relay never sends one, so a botocore hook adds it to the
+        # entries for the refused topic on their way out.
+        def spoil(params: dict[str, Any], **_: Any) -> None:
+            if params["TopicArn"].endswith("-refused"):
+                for entry in params["PublishBatchRequestEntries"]:
+                    entry["MessageStructure"] = "spoiled"
+
+        real_client = boto3.session.Session.client
+
+        def client(session: Any, *args: Any, **kwargs: Any) -> Any:
+            made = real_client(session, *args, **kwargs)
+            made.meta.events.register("before-parameter-build.sns.PublishBatch", spoil)
+            return made
+
+        self.monkeypatch.setattr(boto3.session.Session, "client", client)
+        refused = self.sns.name("refused")
+        await self.destination(refused)
+        return refused
+
+    async def inbox_queue(self) -> str:
+        topic = self.sns.name("in-topic")
+        self.sns.topic(topic)
+        queue = self.sns.subscribe(topic, self.sns.name("in"), raw=False)
+        self.topics[queue] = topic
+        return queue
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        await asyncio.to_thread(
+            self.sns.publish,
+            self.topics[queue],
+            body,
+            message_id=message_id,
+            type=type,
+            key=key,
+            headers=orjson.dumps(headers).decode() if headers else None,
+        )
+
+    def fallback_type(self, queue: str) -> str:
+        return self.topics[queue]  # the topic's name, from the envelope
+
+    def unreachable(self) -> Publisher:
+        return make_publisher(
+            BrokerURL.parse(f"sns://?region={REGION}&endpoint_url=http://127.0.0.1:1"),
             exchange="relay",
             workers=WORKERS,
         )
@@ -423,14 +511,193 @@ class KafkaPort:
         )
 
 
-Port = MemoryPort | AmqpPort | SqsPort | KafkaPort
+class RedisPort:
+    kind = "redis"
+    RELAY_FIELDS = (b"id", b"payload", b"type", b"key", b"headers")
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.url = redis.url()
+
+    def topic(self, base: str, *, ordered: bool = False) -> str:
+        return self.redis.name(base)
+
+    async def destination(self, topic: str) -> str:
+        return topic  # XADD makes the stream
+
+    def publisher(self, *, on_unroutable: str = "publish") -> Publisher:
+        return make_publisher(
+            BrokerURL.parse(self.url),
+            exchange="relay",
+            workers=WORKERS,
+            on_unroutable=on_unroutable,
+        )
+
+    async def read(self, dest: str, count: int) -> list[Received]:
+        got = []
+        for _, fields in await asyncio.to_thread(self.redis.read, dest):
+            text = {n.decode(): v.decode() for n, v in fields.items() if n != b"payload"}
+            got.append(
+                Received(
+                    fields[b"payload"],
+                    text.get("id"),
+                    text.get("type"),
+                    text.get("key"),
+                    orjson.loads(text["headers"]) if "headers" in text else {},
+                    fields,
+                )
+            )
+        assert len(got) == count, f"{len(got)} entries in {dest}, not {count}"
+        return got
+
+    async def refuse(self, publisher: Publisher, topic: str) -> str:
+        # A key that holds a string: XADD to it is refused (WRONGTYPE).
+        refused = self.redis.name("refused")
+        await asyncio.to_thread(self.redis.client.set, refused, "not a stream")
+        return refused
+
+    async def inbox_queue(self) -> str:
+        return self.redis.name("in")  # the group is made at the stream's first entry
+
+    def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
+        return make_consumer(
+            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+        )
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        await asyncio.to_thread(
+            self.redis.send,
+            queue,
+            body,
+            message_id=message_id,
+            type=type,
+            key=key,
+            headers=headers,
+        )
+
+    def fallback_type(self, queue: str) -> str:
+        return queue  # the stream
+
+    def go_down(self) -> None:
+        self.redis.proxy.stop()
+
+    def come_back(self) -> None:
+        self.redis.proxy.start()
+
+    def unreachable(self) -> Publisher:
+        return make_publisher(
+            BrokerURL.parse("redis://app:s3cret@127.0.0.1:1/0"), exchange="relay", workers=WORKERS
+        )
 
 
-@pytest.fixture(params=["memory", "amqp", "sqs", "kafka"])
+class NatsPort:
+    kind = "nats"
+    # relay's own headers: the rest are the row's.
+    RELAY_HEADERS = ("Nats-Msg-Id", "type", "key", "Content-Type")
+
+    def __init__(self, helper: Nats) -> None:
+        self.nats = helper
+        self.url = helper.url
+
+    def topic(self, base: str, *, ordered: bool = False) -> str:
+        return self.nats.name(base)  # a subject
+
+    async def destination(self, topic: str) -> str:
+        """A stream capturing the subject `topic`."""
+        return await self.nats.create(f"S-{topic}", [topic])
+
+    def publisher(self, *, on_unroutable: str = "publish") -> Publisher:
+        return make_publisher(
+            BrokerURL.parse(self.url),
+            exchange="relay",
+            workers=WORKERS,
+            on_unroutable=on_unroutable,
+        )
+
+    async def read(self, dest: str, count: int) -> list[Received]:
+        got = []
+        for message in await self.nats.messages(dest):
+            headers = dict(message.headers or {})
+            got.append(
+                Received(
+                    message.data,
+                    headers.get("Nats-Msg-Id"),
+                    headers.get("type"),
+                    headers.get("key"),
+                    {n: v for n, v in headers.items() if n not in self.RELAY_HEADERS},
+                    message,
+                )
+            )
+        assert len(got) == count, f"{len(got)} messages in {dest}, not {count}"
+        return got
+
+    async def refuse(self, publisher: Publisher, topic: str) -> str:
+        """A subject whose stream takes no message over 8 bytes."""
+        refused = topic + "-refused"
+        await self.nats.create(f"S-{refused}", [refused], max_msg_size=8)
+        return refused
+
+    async def inbox_queue(self) -> str:
+        stream, _ = await self.nats.stream("in")
+        return stream
+
+    def consumer(self, queue: str, *, prefetch: int = 100) -> Consumer:
+        return make_consumer(
+            BrokerURL.parse(self.url), queue=queue, exchange="relay", binds=(), prefetch=prefetch
+        )
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        pairs = {"Nats-Msg-Id": message_id, "type": type, "key": key, **(headers or {})}
+        given = {n: v for n, v in pairs.items() if v is not None}
+        await self.nats.publish(f"{queue}.x", body, headers=given or None)
+
+    def fallback_type(self, queue: str) -> str:
+        return f"{queue}.x"  # the subject
+
+    def go_down(self) -> None:
+        self.nats.proxy.stop()
+
+    def come_back(self) -> None:
+        self.nats.proxy.start()
+
+    def unreachable(self) -> Publisher:
+        return make_publisher(
+            BrokerURL.parse("nats://app:s3cret@127.0.0.1:1"), exchange="relay", workers=WORKERS
+        )
+
+
+Port = MemoryPort | AmqpPort | SqsPort | SnsPort | KafkaPort | NatsPort | RedisPort
+
+
+@pytest.fixture(params=["memory", "amqp", "sqs", "sns", "kafka", "nats", "redis"])
 def port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Port]:
-    """One broker of the four, for a test written once."""
+    """Each broker in turn, for a test written once."""
     if request.param == "memory":
         yield MemoryPort()
+        return
+    if request.param == "nats":  # its proxy is the server's own (tests/nats_server.py)
+        yield NatsPort(request.getfixturevalue("nats_helper"))
+        return
+    if request.param == "redis":  # its proxy is the server's own (tests/redis_server.py)
+        yield RedisPort(request.getfixturevalue("redis_streams"))
         return
     if request.param == "kafka":  # its proxy is the broker's own (tests/kafka_server.py)
         yield KafkaPort(request.getfixturevalue("kafka"))
@@ -442,7 +709,10 @@ def port(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     else:
         helper = request.getfixturevalue("sqs")
         proxy = Proxy(int(urllib.parse.urlsplit(helper.endpoint).port or 80))
-        target = SqsPort(helper, proxy, monkeypatch)  # type: ignore[assignment]
+        if request.param == "sns":
+            target = SnsPort(request.getfixturevalue("sns"), proxy, monkeypatch)  # type: ignore[assignment]
+        else:
+            target = SqsPort(helper, proxy, monkeypatch)  # type: ignore[assignment]
     proxy.start()
     try:
         yield target
@@ -462,7 +732,12 @@ __all__ = [
     "kafka",
     "kafka_server",
     "memory_broker",
+    "nats_helper",
+    "nats_server",
     "port",
+    "redis_server",
+    "redis_streams",
+    "sns",
     "sqs",
     "sqs_server",
 ]

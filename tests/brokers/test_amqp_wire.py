@@ -18,8 +18,11 @@ from pamqp.body import ContentBody
 from pamqp.decode import field_table
 from pamqp.header import ContentHeader
 
-from relay.brokers import Incoming, aiormq_internals, amqp, amqp_lenient, amqp_wire
-from relay.brokers.amqp_wire import publish_frames, shortstr
+from relay.brokers import Incoming
+from relay.brokers.amqp import aiormq_internals, consuming, publishing
+from relay.brokers.amqp import lenient as amqp_lenient
+from relay.brokers.amqp import wire as amqp_wire
+from relay.brokers.amqp.wire import publish_frames, shortstr
 from tests import amqp_raw
 
 
@@ -142,13 +145,13 @@ def test_deliveries_decode_as_pamqp_decodes_them(
         + amqp_raw.shortstr(routing_key)
     )
     got: list[Incoming] = []
-    deliveries = amqp._Deliveries(_Channel(), got.append)
+    deliveries = consuming._Deliveries(_Channel(), got.append)
     assert not deliveries(1, 8, method)  # another channel's frames go on to aiormq
     assert deliveries(1, 7, method)
     assert deliveries(2, 7, header)
     for start in range(0, len(body), chunk):
         assert deliveries(3, 7, body[start : start + chunk])
-    expected = amqp._from_pamqp(
+    expected = consuming._from_pamqp(
         DeliveredMessage(
             delivery=aiormq_internals.decode_method(method),
             header=aiormq_internals.decode_header(header),
@@ -246,11 +249,11 @@ def test_returns_are_matched_to_their_publish_as_pamqp_decodes_them(
         properties["headers"] = {k: _field(v) for k, v in properties["headers"].items()}
     header = amqp_raw.content_header(len(body), **properties)
     expected = aiormq_internals.decode_header(header).properties.message_id
-    batch = amqp._Confirms(None, 41, {}, {})  # type: ignore[arg-type]
+    batch = publishing._Confirms(None, 41, {}, {})  # type: ignore[arg-type]
     tags = {expected: 42} if published and expected is not None else {}
     channel = _PublisherChannel(tags, {41: batch, 42: batch})
     returned: dict[int, object] = {}
-    returns = amqp._Returns(channel, returned)  # type: ignore[arg-type]
+    returns = publishing._Returns(channel, returned)  # type: ignore[arg-type]
     method = (
         amqp_wire.BASIC_RETURN
         + struct.pack(">H", 312)

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay import cloudevents
-from relay.brokers import Incoming, row_body
+from relay.brokers import KINDS, Incoming, row_body
 from relay.cloudevents import BINDINGS, CloudEvent, CloudEventsPublisher, binding, receive
 from relay.config import OutboxSettings
 from relay.errors import ConfigError
@@ -155,9 +155,11 @@ def test_a_source_that_is_no_uri_reference_is_a_config_error(source):
 
 
 def test_the_binding_table_names_every_broker():
-    assert set(BINDINGS) == {"amqp", "kafka", "sqs"}
+    assert set(BINDINGS) == set(KINDS)
     assert binding("amqp").prefixes[0] == "cloudEvents_"
     assert binding("kafka").prefixes == ("ce_",)
+    assert binding("nats").prefixes == ("ce_", "ce-")
+    assert binding("nats").content_type == "content-type"
     assert not binding("sqs").binary
 
 

@@ -1,6 +1,8 @@
 """What the broker ports promise, written once and run against every adapter:
-RabbitMQ, SQS (moto's server) and the memory broker (relay.brokers.memory),
-each in this process through `Publisher` and `Consumer`.
+RabbitMQ, SQS and SNS (moto's server), Kafka and the memory broker
+(relay.brokers.memory), each in this process through `Publisher` and
+`Consumer` (SNS's consumer half: relay's SQS consumer of a queue subscribed
+to the topic, opening SNS's notification envelopes).
 
 Where the brokers differ by design (an unroutable message, a nack's
 permanence, the type's fallback), the `port` helper says what its broker does.
@@ -18,7 +20,16 @@ import pytest
 from relay.brokers import Incoming, Outcome
 from relay.errors import BrokerUnavailable
 from relay.rows import Failure, OutboxRow
-from tests.brokers.conftest import AmqpPort, KafkaPort, Port, SqsPort
+from tests.brokers.conftest import (
+    AmqpPort,
+    KafkaPort,
+    NatsPort,
+    Port,
+    RedisPort,
+    SnsPort,
+    SqsPort,
+)
+from tests.sqs_server import REGION
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -100,6 +111,23 @@ async def test_a_batch_is_confirmed_row_by_row_carrying_id_type_key_and_headers(
         assert dict(record.headers())["content-type"] == b"application/json"
         assert record.timestamp()[1] == int(CREATED.timestamp() * 1000)
         assert [n for n, _ in got[plain.id].raw.headers()] == ["id", "content-type"]
+    if isinstance(port, RedisPort):  # the fields, in this order, and no other
+        assert list(got[full.id].raw) == [b"id", b"payload", b"type", b"key", b"headers"]
+        assert got[full.id].raw[b"headers"] == b'{"traceparent":"00-abc-def-01"}'
+        assert list(got[plain.id].raw) == [b"id", b"payload"]
+    if isinstance(port, NatsPort):  # Nats-Msg-Id, type, key, Content-Type, the row's
+        assert got[full.id].raw.headers == {
+            "traceparent": "00-abc-def-01",
+            "Nats-Msg-Id": full.id,
+            "type": "OrderPlaced",
+            "key": "order-7",
+            "Content-Type": "application/json",
+        }
+        assert got[full.id].raw.subject == topic
+        assert got[plain.id].raw.headers == {
+            "Nats-Msg-Id": plain.id,
+            "Content-Type": "application/json",
+        }
 
 
 async def test_a_keys_messages_arrive_in_the_order_of_the_batch(port: Port):
@@ -146,18 +174,31 @@ async def test_an_unroutable_message_is_reported_not_lost_silently(port: Port):
         finally:
             await publisher.close()
         assert results[1] is None
-        if isinstance(port, SqsPort):  # a missing queue: never published
+        if isinstance(port, SnsPort):  # a missing topic: an attempt, never created
+            assert results[0] == Failure(f"SNS topic {nowhere!r} does not exist in {REGION}")
+            assert not port.sns.exists(nowhere)
+        elif isinstance(port, SqsPort):  # a missing queue: never published
             assert results[0] == Failure(f"SQS queue {nowhere!r} does not exist")
         elif isinstance(port, KafkaPort):  # a missing topic: an attempt, never created
             assert isinstance(results[0], Failure) and not results[0].permanent
             assert "does not exist" in results[0].error and repr(nowhere) in results[0].error
             assert not port.kafka.exists(nowhere)
+        elif isinstance(port, RedisPort):  # XADD makes the stream: published
+            assert results[0] is None
+        elif isinstance(port, NatsPort):  # no stream captures it: an attempt, none made
+            assert isinstance(results[0], Failure) and not results[0].permanent
+            assert "no responders" in results[0].error and repr(nowhere) in results[0].error
+            assert not await port.nats.has_stream(f"S-{nowhere}")
         elif on_unroutable == "publish":  # pub/sub: confirmed, counted as unroutable
             assert results[0] is Outcome.UNROUTABLE
         else:
             assert isinstance(results[0], Failure) and not results[0].permanent
             assert "unroutable" in results[0].error and repr(nowhere) in results[0].error
-    assert len(await port.read(dest, 2)) == 2
+    # NATS: the second publish of the same row (its Nats-Msg-Id) is a
+    # duplicate the stream's window drops.
+    assert len(await port.read(dest, 1 if isinstance(port, NatsPort) else 2))
+    if isinstance(port, RedisPort):
+        assert len(await port.read(nowhere, 2)) == 2
 
 
 async def test_rows_no_broker_can_carry_fail_for_good_and_alone(port: Port):
@@ -246,6 +287,11 @@ async def test_a_received_message_carries_id_type_key_headers_and_the_type_fallb
         await consumer.close()
     if isinstance(port, KafkaPort):  # no id: the record's own place in the log
         got[None] = got.pop(f"kafka:{queue}:0:2")
+    if isinstance(port, RedisPort):  # no id: the entry's own place in the stream
+        [place] = [m for m in got if m and m.startswith(f"redis:{queue}:")]
+        got[None] = got.pop(place)
+    if isinstance(port, NatsPort):  # no id: the message's own place in the stream
+        got[None] = got.pop(f"nats:{queue}:3")
     first, second, third = got["m-1"], got["m-2"], got[None]
     assert (first.body, first.type, first.key) == (b'{"n": 5}', "Effect", "order-5")
     assert first.headers.get("traceparent") == "00-aa-bb-01"

@@ -214,7 +214,7 @@ async def test_on_unroutable_fail_keeps_the_old_behaviour_a_failed_attempt(
 async def test_returns_in_a_mixed_batch_fail_only_their_own_rows(engine, rabbit, run_relay):
     """Routed and unroutable rows interleaved in one batch, headers and
     bodies of several frames among them: relay reads each basic.return
-    itself (amqp._Returns) and matches it to its publish, so exactly the
+    itself (relay.brokers.amqp.publishing._Returns) and matches it to its publish, so exactly the
     unroutable rows fail and every routed one is published and delivered."""
     queue = await rabbit.queue("bound")
     big = {"blob": "x" * 300_000}  # over the connection's frame size: several body frames

@@ -17,14 +17,12 @@ import pytest
 
 import relay
 from relay.brokers import make_publisher
+from relay.brokers.aws import BATCH_BYTES, chunks, lanes
 from relay.brokers.sqs import (
-    BATCH_BYTES,
     SqsConsumer,
     build_entry,
     call_failure,
-    chunks,
     entry_failure,
-    lanes,
     to_incoming,
 )
 from relay.config import BrokerURL

@@ -27,6 +27,8 @@ import relay
 from relay.outbox import WORKERS
 from tests.conftest import AMQP_URL, HANDLERS, Rabbit, effect_ids, insert_outbox, rows, wait_until
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
+from tests.nats_server import Nats, nats_helper, nats_server  # noqa: F401 - fixtures
+from tests.redis_server import Redis, redis_server, redis_streams  # noqa: F401 - fixtures
 from tests.sqs_server import Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 from tests.waits import wait_while_progressing
 
@@ -430,10 +432,192 @@ class KafkaBroker:
             assert message.raw.partition() == java_partition(message.key.encode(), 3)
 
 
-@pytest.fixture(params=["amqp", "sqs", "kafka"])
-def broker(request: pytest.FixtureRequest) -> Iterator[AmqpBroker | SqsBroker | KafkaBroker]:
+class RedisCollector:
+    """A stream keeps its entries: read them all at the end."""
+
+    def __init__(self, redis: Redis, dest: str) -> None:
+        self.redis, self.dest = redis, dest
+
+    async def wait(self, count: int, timeout: float = 60) -> list[Received]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [RedisBroker.received(f) for _, f in self.redis.read(self.dest)]
+            if len({m.message_id for m in got}) >= count or time.monotonic() > deadline:
+                return got
+            await asyncio.sleep(0.3)
+
+
+class RedisBroker:
+    kind = "redis"
+    bulk = 3000
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.url = redis.url()
+        self.exchange = "relay"
+        self.env = {"RELAY_BROKER_URL": self.url}
+        self.outbox_args: list[str] = []
+        self.unreachable_url = "redis://app:s3cret@127.0.0.1:1/0"
+
+    def topic(self, base: str, *, ordered: bool = False) -> str:
+        return self.redis.name(base)
+
+    async def destination(self, topic: str) -> str:
+        return topic
+
+    @staticmethod
+    def received(fields: dict[bytes, bytes]) -> Received:
+        text = {n.decode(): v.decode() for n, v in fields.items() if n != b"payload"}
+        return Received(
+            fields[b"payload"],
+            text.get("id"),
+            text.get("type"),
+            text.get("key"),
+            orjson.loads(text["headers"]) if "headers" in text else {},
+            fields,
+        )
+
+    async def read(self, dest: str, count: int, timeout: float = 30) -> list[Received]:
+        return await (await self.collect(dest)).wait(count, timeout)
+
+    async def collect(self, dest: str, *, ordered: bool = False) -> RedisCollector:
+        return RedisCollector(self.redis, dest)
+
+    async def inbox_queue(self) -> tuple[str, list[str]]:
+        name = self.redis.name("in")
+        # A short --claim-idle: what a killed inbox held is claimed soon.
+        return name, ["--queue", name, "--claim-idle", "2"]
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.redis.send(queue, body, message_id=message_id, type=type, key=key, headers=headers)
+
+    async def send_many(self, queue: str, messages: list[tuple[bytes, str]], type: str) -> None:
+        pipe = self.redis.client.pipeline(transaction=False)
+        for body, message_id in messages:
+            pipe.xadd(queue, {"id": message_id, "type": type, "payload": body})
+        await asyncio.to_thread(pipe.execute)
+
+    async def queued(self, queue: str) -> int:
+        """Entries the group (named after the stream) has not acknowledged."""
+        return await asyncio.to_thread(self.redis.lag, queue, queue)
+
+    def check_ordered_wire(self, message: Received, topic: str) -> None:
+        pass  # one stream keeps its order; nothing more on the wire
+
+
+class NatsCollector:
+    """A stream keeps its messages: read them all at the end."""
+
+    def __init__(self, nats: Nats, dest: str) -> None:
+        self.nats, self.dest = nats, dest
+
+    async def wait(self, count: int, timeout: float = 60) -> list[Received]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [NatsBroker.received(m) for m in await self.nats.messages(self.dest)]
+            if len({m.message_id for m in got}) >= count or time.monotonic() > deadline:
+                return got
+            await asyncio.sleep(0.5)
+
+
+class NatsBroker:
+    kind = "nats"
+    bulk = 3000
+    # The inbox's consumer, made by the test with a short AckWait (relay
+    # uses a consumer it finds as it is): what a killed inbox held comes
+    # back in seconds, not the default 30.
+    ack_wait = 3.0
+
+    def __init__(self, nats: Nats) -> None:
+        self.nats = nats
+        self.url = nats.url
+        self.exchange = "relay"
+        self.env = {"RELAY_BROKER_URL": self.url}
+        self.outbox_args: list[str] = []
+        self.unreachable_url = "nats://app:s3cret@127.0.0.1:1"
+
+    def topic(self, base: str, *, ordered: bool = False) -> str:
+        return self.nats.name(base)
+
+    async def destination(self, topic: str) -> str:
+        return await self.nats.create(f"S-{topic}", [topic])
+
+    @staticmethod
+    def received(message: Any) -> Received:
+        headers = dict(message.headers or {})
+        headers.pop("Content-Type", None)
+        return Received(
+            message.data,
+            headers.pop("Nats-Msg-Id", None),
+            headers.pop("type", None),
+            headers.pop("key", None),
+            headers,
+            message,
+        )
+
+    async def read(self, dest: str, count: int, timeout: float = 30) -> list[Received]:
+        return await (await self.collect(dest)).wait(count, timeout)
+
+    async def collect(self, dest: str, *, ordered: bool = False) -> NatsCollector:
+        return NatsCollector(self.nats, dest)
+
+    async def inbox_queue(self) -> tuple[str, list[str]]:
+        name, _ = await self.nats.stream("in")
+        await self.nats.add_consumer(name, name, ack_wait=self.ack_wait)
+        return name, ["--queue", name]
+
+    async def send(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        pairs = {"Nats-Msg-Id": message_id, "type": type, "key": key, **(headers or {})}
+        given = {n: v for n, v in pairs.items() if v is not None}
+        await self.nats.publish(f"{queue}.x", body, headers=given or None)
+
+    async def send_many(self, queue: str, messages: list[tuple[bytes, str]], type: str) -> None:
+        await self.nats.publish_many(
+            [
+                (f"{queue}.x", body, {"Nats-Msg-Id": message_id, "type": type})
+                for body, message_id in messages
+            ]
+        )
+
+    async def queued(self, queue: str) -> int:
+        """Messages the consumer (named as the stream) has not had acknowledged."""
+        info = await self.nats.consumer_info(queue, queue)
+        return int(info.num_pending) + int(info.num_ack_pending)
+
+    def check_ordered_wire(self, message: Received, topic: str) -> None:
+        assert message.raw.subject == topic
+
+
+@pytest.fixture(params=["amqp", "sqs", "kafka", "nats", "redis"])
+def broker(
+    request: pytest.FixtureRequest,
+) -> Iterator[AmqpBroker | SqsBroker | KafkaBroker | NatsBroker | RedisBroker]:
     if request.param == "amqp":
         yield AmqpBroker(request.getfixturevalue("rabbit"))
+        return
+    if request.param == "nats":
+        yield NatsBroker(request.getfixturevalue("nats_helper"))
+        return
+    if request.param == "redis":
+        yield RedisBroker(request.getfixturevalue("redis_streams"))
         return
     if request.param == "kafka":
         yield KafkaBroker(request.getfixturevalue("kafka"))

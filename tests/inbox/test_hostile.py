@@ -365,13 +365,14 @@ async def test_broker_refusing_a_message_as_too_big_fails_that_row_and_releases_
     released (no attempt), and the broker's limit is adopted."""
     from datetime import datetime
 
-    from relay.brokers import Outcome, amqp
+    from relay.brokers import Outcome
+    from relay.brokers.amqp import publishing
     from relay.rows import Failure, OutboxRow
     from tests.conftest import AMQP_URL
 
     queue = await rabbit.queue("size.#")
-    monkeypatch.setattr(amqp, "MAX_MESSAGE_SIZE", 1 << 30)
-    publisher = amqp.AmqpPublisher(AMQP_URL, exchange=rabbit.exchange)
+    monkeypatch.setattr(publishing, "MAX_MESSAGE_SIZE", 1 << 30)
+    publisher = publishing.AmqpPublisher(AMQP_URL, exchange=rabbit.exchange)
     limit = 128 * 1024 * 1024
 
     def row(n: int, payload: str) -> OutboxRow:

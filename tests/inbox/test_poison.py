@@ -259,7 +259,7 @@ def test_a_content_header_pamqp_cannot_decode_becomes_an_empty_one_that_says_why
     on the decoding function alone."""
     from pamqp import frame
 
-    from relay.brokers import amqp_lenient
+    from relay.brokers.amqp import lenient as amqp_lenient
 
     amqp_lenient.install()
     lenient = amqp_raw.frame(

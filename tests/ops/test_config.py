@@ -123,20 +123,20 @@ def test_broker_url_amqp():
 
 def test_broker_url_sqs():
     plain = BrokerURL.parse("sqs://")
-    assert (plain.kind, plain.sqs_region, plain.sqs_endpoint_url) == ("sqs", None, None)
+    assert (plain.kind, plain.aws_region, plain.aws_endpoint_url) == ("sqs", None, None)
     full = BrokerURL.parse("sqs://?region=eu-west-1&endpoint_url=http://localhost:9324")
-    assert (full.kind, full.sqs_region, full.sqs_endpoint_url) == (
+    assert (full.kind, full.aws_region, full.aws_endpoint_url) == (
         "sqs",
         "eu-west-1",
         "http://localhost:9324",
     )
-    assert BrokerURL.parse("sqs://?region=us-east-1").sqs_region == "us-east-1"
+    assert BrokerURL.parse("sqs://?region=us-east-1").aws_region == "us-east-1"
 
 
 @pytest.mark.parametrize(
     ("url", "message"),
     [
-        ("redis://h:6379", "unsupported broker URL scheme"),
+        ("mqtt://h:1883", "unsupported broker URL scheme"),
         ("sqs://?region=eu-west-1&queue=x", "unknown parameter"),
         ("sqs://?endpoint_url=ftp://x", "endpoint_url"),
         ("amqp://guest:guest@rabbit:notaport/", "invalid broker URL"),

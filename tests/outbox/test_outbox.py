@@ -203,7 +203,7 @@ def test_unreachable_database_is_retried_without_leaking_the_password(start_rela
 def test_bad_configuration_exits_2_with_one_clear_line(run_relay):
     cases = {
         ("--broker-url", "kafka://x?acks=0"): "acks=0 is against relay's guarantees",
-        ("--broker-url", "redis://x"): "unsupported broker URL scheme 'redis'",
+        ("--broker-url", "mqtt://x"): "unsupported broker URL scheme 'mqtt'",
         ("--database-url", "mysql://u:pw@h/db"): "unsupported database URL scheme 'mysql'",
         ("--batch-size", "lots"): "'lots' is not a valid integer",
         ("--retention", "forever"): "invalid duration 'forever'",

@@ -16,6 +16,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
+# The header that carries the row's key (the contract's `x-relay-key`).
+KEY_HEADER = "x-relay-key"
+
 FRAME_METHOD = 1
 FRAME_HEADER = 2
 FRAME_BODY = 3
@@ -128,7 +131,7 @@ def publish_frames(
 # message (docs/performance.md). A delivery's Basic.Deliver method and its
 # content header are decoded here with struct, for the fields relay reads;
 # anything unusual raises, and the frame is decoded by pamqp instead (with
-# relay's lenient fallbacks, amqp_lenient), so both ways give the same values.
+# relay's lenient fallbacks, lenient.py), so both ways give the same values.
 
 BASIC_DELIVER = struct.pack(">HH", BASIC_CLASS, 60)
 BASIC_RETURN = struct.pack(">HH", BASIC_CLASS, 50)

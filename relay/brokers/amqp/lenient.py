@@ -33,7 +33,7 @@ from pamqp import common, decode
 from pamqp.base import Frame
 from pamqp.header import ContentHeader
 
-from relay.brokers import aiormq_internals
+from relay.brokers.amqp import aiormq_internals
 
 _installed = False
 

@@ -1,12 +1,12 @@
 """The one place relay reaches into aiormq's and pamqp's private state.
 
-relay's AMQP adapter (`amqp.py`) runs on aio-pika/aiormq, but on its two hot
+relay's AMQP adapter (`relay/brokers/amqp/`) runs on aio-pika/aiormq, but on its two hot
 paths it does not go through their public API:
 
 - Publishing: aiormq builds each publish through pamqp's generic encoder
   and sends it from a coroutine of its own, and settles a multiple-ack tag
   by tag, each future through call_soon. relay encodes a whole batch itself
-  (`amqp_wire`), so it takes the channel's delivery tags under the channel's
+  (`wire`), so it takes the channel's delivery tags under the channel's
   lock, registers the batch in the channel's confirmation table, writes the
   batch to the connection's write queue as one buffer, and replaces the
   channel's confirm handler to settle a multiple-ack a range at a time.
@@ -15,14 +15,14 @@ paths it does not go through their public API:
 - Consuming: relay replaces the get_frame of the connection's FrameReceiver
   (found in aiormq's reader task) with a reader of its own that offers each
   frame to the consumer before pamqp decodes it, so that deliveries are
-  decoded by relay (amqp_wire) and never reach aiormq; where that reader is
+  decoded by relay (wire) and never reach aiormq; where that reader is
   not found, the channel's deliver handler is replaced instead, to hand each
   delivery over from the channel's reader, in order (aiormq makes a task of
   every delivery to call the consumer's callback).
 - Blocking: aiormq handles connection.blocked/unblocked (it holds back new
   writes while blocked) but tells nobody; relay wraps both handlers to
   learn of a resource alarm.
-- Lenient decoding (`amqp_lenient`): pamqp's method and content header
+- Lenient decoding (`lenient`): pamqp's method and content header
   frame decoders are wrapped, and a frame that fails is decoded again with
   lenient value decoders swapped into pamqp's decoder tables.
 
@@ -63,7 +63,7 @@ from pamqp.body import ContentBody
 from pamqp.exceptions import PAMQPException
 from pamqp.header import ContentHeader
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("relay.brokers.aiormq_internals")  # the name its log lines have always had
 
 __all__ = [
     "TESTED",
@@ -326,13 +326,13 @@ def read_frames_with(
 
 def decode_method(payload: bytes) -> Frame:
     """A method frame's payload decoded by pamqp (and relay's lenient
-    fallback, where amqp_lenient is installed)."""
+    fallback, where lenient is installed)."""
     return pamqp_frame._unmarshal_method_frame(payload)
 
 
 def decode_header(payload: bytes) -> ContentHeader:
     """A content header frame's payload decoded by pamqp (and relay's
-    lenient fallbacks, where amqp_lenient is installed)."""
+    lenient fallbacks, where lenient is installed)."""
     return pamqp_frame._unmarshal_header_frame(payload)
 
 
