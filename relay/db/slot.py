@@ -193,12 +193,19 @@ class SlotReader:
                     if conn.info.server_version >= COLUMN_LISTS
                     else sql.SQL("")
                 )
-                with contextlib.suppress(pgerrors.DuplicateObject):
-                    await conn.execute(
-                        sql.SQL(
-                            "CREATE PUBLICATION {} FOR TABLE {}{} WITH (publish = 'insert')"
-                        ).format(sql.Identifier(self.slot), table, columns)
-                    )
+                create = sql.SQL(
+                    "CREATE PUBLICATION {} FOR TABLE {}{} WITH (publish = 'insert')"
+                ).format(sql.Identifier(self.slot), table, columns)
+                try:
+                    await conn.execute(create)
+                except pgerrors.DuplicateObject:
+                    pass  # another relay made it first
+                except pgerrors.InsufficientPrivilege as exc:
+                    raise ConfigError(
+                        f"--capture wal cannot make publication {self.slot} "
+                        f"({describe(exc)}): run {create.as_string(conn)} as the outbox "
+                        "table's owner with CREATE on the database, or give relay's role both"
+                    ) from exc
                 log.info("made publication %s of %s.outbox", self.slot, self.schema)
             cursor = await conn.execute(pyformat(query("wal_slot")), {"slot": self.slot})
             found = await cursor.fetchone()

@@ -212,6 +212,33 @@ def test_a_role_that_may_not_replicate_exits_2(wal_db: WalDb, run_relay):
     assert wal_db.slot_row() is None
 
 
+def test_a_role_that_does_not_own_the_table_is_told_how_to_make_the_publication(
+    wal_db: WalDb, run_relay
+):
+    wal_db.execute("CREATE ROLE replicator LOGIN REPLICATION PASSWORD 'secret'")
+    wal_db.execute("GRANT ALL ON ALL TABLES IN SCHEMA public TO replicator")
+    url = wal_db.server.url(wal_db.name, user="replicator").replace(
+        "replicator@", "replicator:secret@"
+    )
+    try:
+        done = run_relay(
+            "outbox",
+            "--capture",
+            "wal",
+            "--slot",
+            wal_db.slot,
+            env={"RELAY_DATABASE_URL": url},
+            timeout=60,
+        )
+    finally:
+        wal_db.execute("REVOKE ALL ON ALL TABLES IN SCHEMA public FROM replicator")
+        wal_db.execute("DROP ROLE replicator")
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f'CREATE PUBLICATION "{wal_db.slot}" FOR TABLE "public"."outbox"' in last
+    assert "Traceback" not in done.stderr
+
+
 # -- the stream ------------------------------------------------------------------
 
 
