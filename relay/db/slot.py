@@ -124,6 +124,10 @@ class SlotReader:
             # The slot or its publication does not exist (dropped), or the
             # slot can no longer be read (invalidated).
             raise SlotLost(describe(exc)) from exc
+        except pgerrors.ObjectInUse as exc:
+            # Another session reads the slot now (a tool, an operator's
+            # peek): waited out like a server that is away.
+            raise DatabaseUnavailable(describe(exc)) from exc
         except BaseException as exc:
             if isinstance(exc, Exception) and is_disconnect(exc):
                 await self.close()
