@@ -51,7 +51,7 @@ SHARE_TRIES = 20
 # How many times a read's transactions are asked after until they are
 # visible (a commit is in the WAL before its rows are), and the wait
 # before the next time (times the tries so far).
-VISIBLE_TRIES = 10
+VISIBLE_TRIES = 20
 VISIBLE_WAIT = 0.001
 # A pending row older than this (or twice --poll-interval) is one the slot
 # will not bring: the claim runs (WalCapture.claims_due); three runs of the
