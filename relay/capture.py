@@ -89,6 +89,7 @@ class WalCapture:
         self._wakeup = asyncio.Event()
         self._lag_at = -float("inf")
         relay.poll_due = self.claims_due
+        reader.on_commit = self.wake  # the stream brought a commit (or ended)
 
     def wake(self) -> None:
         """A commit's notification (the listener's wake-up)."""

@@ -247,6 +247,11 @@ class Inserts:
         self._open: list[tuple[str, int]] | None = None
         self._xid = 0
 
+    @property
+    def open(self) -> bool:
+        """Whether a transaction has begun and not yet committed."""
+        return self._open is not None
+
     def feed_bytes(self, data: bytes) -> Transaction | None:
         """feed(decode(data)), with inserts read in place: the messages of a
         busy outbox are nearly all inserts, and building each as an Insert

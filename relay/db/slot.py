@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +31,9 @@ from psycopg import sql
 from relay.db import connect as pg
 from relay.db import namespace
 from relay.db.errors import describe, is_disconnect
-from relay.db.pgoutput import Inserts, PgoutputError, Transaction, lsn, lsn_text
+from relay.db.pgoutput import PgoutputError, Transaction, lsn, lsn_text
 from relay.db.sql import pyformat, query
+from relay.db.stream import SlotStream, StreamError
 from relay.errors import ConfigError, DatabaseUnavailable, RelayError
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,13 @@ class SlotReader:
         self.schema = located or namespace.DEFAULT
         self.changes = changes
         self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._inserts = Inserts(self.schema, "outbox")
         self.confirmed = 0  # the slot's confirmed position, as last known
         self.read_upto = 0  # the end of the last transaction handed on
         self.holding = False  # the reader's lock
+        # The replication stream (relay.db.stream), from prepare() on; and
+        # what to call when it brings a commit (WalCapture.wake).
+        self._stream: SlotStream | None = None
+        self.on_commit: Callable[[], None] | None = None
 
     # -- connection ------------------------------------------------------------
 
@@ -110,6 +114,7 @@ class SlotReader:
         return self._conn
 
     async def close(self) -> None:
+        await self._stop_stream()
         conn, self._conn = self._conn, None
         self.holding = False
         if conn is not None:
@@ -188,6 +193,7 @@ class SlotReader:
         """Make the publication and the slot where missing (a slot that was
         invalidated is dropped and made again); whether the slot is new. Its
         confirmed position becomes the reader's start."""
+        await self._stop_stream()
         async with self._errors() as conn:
             published = bool(await self._scalar(conn, "wal_publication_exists"))
             if not published:
@@ -245,6 +251,7 @@ class SlotReader:
 
     async def drop(self) -> None:
         """Drop the slot (one whose changes cannot be decoded)."""
+        await self._stop_stream()
         async with self._errors() as conn:
             await self._drop(conn)
 
@@ -259,43 +266,49 @@ class SlotReader:
 
     def _start(self, position: int) -> None:
         self.confirmed = self.read_upto = position
-        self._inserts = Inserts(self.schema, "outbox")
+
+    async def _stop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.stop()
 
     # -- reading and moving ---------------------------------------------------
 
     async def peek(self) -> Peek:
-        """The transactions committed into the outbox since the last peek
-        (those the slot still holds that were handed on before are left
-        out), up to the server's position now."""
-        async with self._errors() as conn:
-            cursor = await conn.execute(
-                pyformat(query("wal_peek")), {"slot": self.slot, "changes": self.changes}
+        """The transactions committed into the outbox that the stream
+        brought since the last peek (those handed on before are left out),
+        and the position up to which it brought every commit. Starts the
+        stream (from the slot's confirmed position) when there is none."""
+        stream = self._stream
+        if stream is not None and stream.error is not None:
+            self._stream = None
+            await stream.stop()
+            raise _stream_error(stream.error, self.slot)
+        if stream is None or not stream.alive:
+            await self._stop_stream()
+            stream = self._stream = SlotStream(
+                self.conninfo, self.slot, self.schema, self.on_commit
             )
-            rows = await cursor.fetchall()
-        upto = lsn(rows[0][0])
-        found = [data for _, data in rows if data is not None]
-        # A fresh decoding session each call: the relations come again.
-        inserts = self._inserts = Inserts(self.schema, "outbox")
-        transactions = []
-        try:
-            for data in found:
-                done = inserts.feed_bytes(data)
-                if done is not None and done.end_lsn > self.read_upto:
-                    transactions.append(done)
-        except PgoutputError as exc:
-            raise SlotUnreadable(f"replication slot {self.slot}: {exc}") from exc
+            stream.confirm(self.confirmed)
+            stream.start()
+        transactions = [t for t in stream.take() if t.end_lsn > self.read_upto]
         if transactions:
             self.read_upto = transactions[-1].end_lsn
-        return Peek(transactions, upto, len(found) < self.changes)
+        return Peek(transactions, max(stream.upto, self.confirmed), True)
 
     async def advance(self, position: int) -> None:
-        """Confirm the slot to `position` (never back)."""
+        """Confirm the slot to `position` (never back): a status update on
+        the stream, or with none running, pg_replication_slot_advance."""
         if position <= self.confirmed:
             return
-        async with self._errors() as conn:
-            await conn.execute(
-                pyformat(query("wal_advance")), {"slot": self.slot, "lsn": lsn_text(position)}
-            )
+        if self._stream is not None and self._stream.alive:
+            self._stream.confirm(position)
+        else:
+            async with self._errors() as conn:
+                await conn.execute(
+                    pyformat(query("wal_advance")),
+                    {"slot": self.slot, "lsn": lsn_text(position)},
+                )
         self.confirmed = position
         self.read_upto = max(self.read_upto, position)
 
@@ -320,3 +333,17 @@ class SlotReader:
 class SlotUnreadable(SlotLost):
     """The slot gave bytes relay cannot decode: treated as a lost slot (the
     table drained, the slot made again), and logged as an error."""
+
+
+# SQLSTATEs of a stream that cannot go on with this slot: it does not exist
+# (dropped), it cannot be read any more (invalidated), its publication is gone.
+_LOST = {"42704", "55000"}
+
+
+def _stream_error(error: BaseException, slot: str) -> Exception:
+    """relay's error for why the stream ended."""
+    if isinstance(error, PgoutputError):
+        return SlotUnreadable(f"replication slot {slot}: {error}")
+    if isinstance(error, StreamError) and error.sqlstate in _LOST:
+        return SlotLost(f"{error} ({error.sqlstate})")
+    return DatabaseUnavailable(f"replication stream of slot {slot}: {describe(error)}")
