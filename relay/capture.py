@@ -1,8 +1,9 @@
 """Capture from the WAL (`relay outbox --capture wal`): the outbox learns of
 committed rows from a logical replication slot instead of polling.
 
-WalCapture reads the slot (relay.db.slot.SlotReader) whenever a commit's
-notification wakes it, and hands the rows of each committed transaction,
+WalCapture looks at the slot's stream (relay.db.slot.SlotReader) whenever
+it brings a commit (or a commit's notification wakes it), and hands the
+rows of each committed transaction,
 in commit order, to the outbox loop's batch (OutboxRelay.publish_batch
 with their ids: fetched by id, published, marked). The table stays the
 truth: the slot is confirmed past a transaction only once every row of it
@@ -16,11 +17,11 @@ the reader loses nothing: it is logged, made again, the table drained by
 the claim, and reading goes on. One process reads a slot (the reader's
 lock, relay.db.slot); the others stand by and take over when it goes.
 
-Idle, the reader asks the database for nothing but, every STATUS_INTERVAL,
-a read of the slot up to the server's position and a move of the slot
-there, so that a quiet outbox does not hold back the WAL that other
-databases of the server write (a replication stream's status message, in
-effect). docs/wal-capture.md has the reasons and the measurements.
+Idle, the reader asks the database for nothing but the slot's lag every
+STATUS_INTERVAL; the stream's status updates confirm the slot to the
+server's position, so that a quiet outbox does not hold back the WAL that
+other databases of the server write. docs/wal-capture.md has the reasons
+and the measurements.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ log = logging.getLogger("relay.outbox")
 # The outbox loop's session the slot's rows are published on: one past its
 # workers' (relay.outbox.WORKERS).
 WAL_WORKER = WORKERS
-# How often an idle reader moves its slot to the server's position (and
-# reports the lag): PostgreSQL's own wal_receiver_status_interval.
+# How often an idle reader confirms its slot to the server's position (and
+# reads the lag): PostgreSQL's own wal_receiver_status_interval.
 STATUS_INTERVAL = 10.0
 # How many times a batch of the slot's rows asks for the keys' shares held
 # by the claim's workers before it leaves the rows to the claim.
@@ -192,12 +193,10 @@ class WalCapture:
         await sleep_unless(self._wakeup, interval)
 
     async def _round(self) -> None:
-        """Read the slot once: publish what it brings, then confirm it as
-        far as every row before is published or dead."""
+        """Take what the stream brought: publish it, then confirm the slot
+        as far as every row before is published or dead."""
         self._wakeup.clear()
         peek = await self.reader.peek()
-        if not peek.whole:
-            self._wakeup.set()  # more than one read takes: read again at once
         ids = [row_id for t in peek.transactions for row_id, _ in t.rows]
         fresh = not self._inflight
         self._inflight.extend(peek.transactions)
@@ -207,8 +206,7 @@ class WalCapture:
             for at in range(0, len(ids), self.batch_size):
                 await self._publish(ids[at : at + self.batch_size])
             left = await self.reader.still_pending(ids)
-        upto = peek.upto if peek.whole else self.reader.read_upto
-        await self._confirm(upto, left if fresh else None)
+        await self._confirm(peek.upto, left if fresh else None)
 
     async def _until_visible(self, xids: list[int]) -> None:
         """Wait (briefly) until the read's transactions are visible: a

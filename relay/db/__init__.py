@@ -17,6 +17,7 @@ package, never SQLAlchemy or psycopg itself.
 | `jobs` | retention, gauges and the churn vacuum |
 | `schema` | SQLAlchemy tables mirroring schema/*.sql, applying them |
 | `slot` | `SlotReader`: the outbox's replication slot (--capture wal): made, read, moved |
+| `stream` | `SlotStream`: the slot read through the replication protocol, in a thread |
 | `pgoutput` | decoding the `pgoutput` plugin's messages (no psycopg) |
 
 Names load on first use (PEP 562), so that `relay.db.writer`, in the

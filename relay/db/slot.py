@@ -1,13 +1,14 @@
 """The outbox's logical replication slot (`relay outbox --capture wal`).
 
-One autocommit psycopg connection of its own, which holds the reader's
-lock (a session advisory lock on the slot's name: one reader per slot, the
-others stand by) and on which the slot is made, read and moved through
-PostgreSQL's SQL functions: `pg_logical_slot_peek_binary_changes` with the
-`pgoutput` plugin and a publication of the outbox table (its inserts, and
-where the server can, only the `id` and `seq` columns), and
-`pg_replication_slot_advance` once the rows read are published or dead.
-Why the SQL functions and not the replication protocol: docs/wal-capture.md.
+One autocommit psycopg connection of its own holds the reader's lock (a
+session advisory lock on the slot's name: one reader per slot, the others
+stand by); on it the slot (`pgoutput`) and a publication of the outbox
+table (its inserts, and where the server can, only the `id` and `seq`
+columns) are made where missing, and the table and the slot's lag are
+asked after. The slot itself is read through the replication protocol
+(relay.db.stream, a thread on a `replication=database` connection) and
+confirmed by its status updates once the rows read are published or dead.
+Why the protocol and not the SQL functions: docs/wal-capture.md.
 
 The messages are decoded by relay.db.pgoutput; the queries are in
 queries/wal.sql. Errors meaning the server went away become
@@ -67,14 +68,12 @@ def slot_name(given: str | None, schema: str | None) -> str:
 
 @dataclass
 class Peek:
-    """One read of the slot: the transactions committed since the reader's
-    last read, in commit order; `upto`, the server's position the read went
-    to; `whole`, whether it went all the way there (not stopped at its
-    count of changes)."""
+    """One look at the stream: the transactions committed since the
+    reader's last look, in commit order; `upto`, the position up to which
+    the stream brought every commit."""
 
     transactions: list[Transaction]
     upto: int
-    whole: bool
 
 
 class SlotReader:
@@ -88,14 +87,11 @@ class SlotReader:
         options: Sequence[str],
         slot: str,
         located: str | None,
-        *,
-        changes: int = 10_000,
     ) -> None:
         self.conninfo = conninfo
         self.options = " ".join(options)
         self.slot = slot
         self.schema = located or namespace.DEFAULT
-        self.changes = changes
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self.confirmed = 0  # the slot's confirmed position, as last known
         self.read_upto = 0  # the end of the last transaction handed on
@@ -294,7 +290,7 @@ class SlotReader:
         transactions = [t for t in stream.take() if t.end_lsn > self.read_upto]
         if transactions:
             self.read_upto = transactions[-1].end_lsn
-        return Peek(transactions, max(stream.upto, self.confirmed), True)
+        return Peek(transactions, max(stream.upto, self.confirmed))
 
     async def advance(self, position: int) -> None:
         """Confirm the slot to `position` (never back): a status update on

@@ -36,20 +36,9 @@ SELECT lsn::text FROM pg_create_logical_replication_slot(:slot, 'pgoutput')
 -- name: wal_drop_slot
 SELECT pg_drop_replication_slot(:slot)
 
--- name: wal_peek
--- The changes committed since the slot's confirmed position, up to the WAL
--- flushed now (logical decoding reads no further, so a commit not yet
--- flushed is read next time, never passed) and about :changes messages
--- (whole transactions): nothing is consumed, the slot moves only by
--- wal_advance. One row at least: the position read to (`upto`), with no
--- data when nothing came.
-WITH upto AS MATERIALIZED (SELECT pg_current_wal_flush_lsn() AS lsn)
-SELECT u.lsn::text AS upto, c.data
-FROM upto u LEFT JOIN LATERAL pg_logical_slot_peek_binary_changes(
-    CAST(:slot AS name), u.lsn, CAST(:changes AS int),
-    'proto_version', '1', 'publication_names', CAST(:slot AS text)) c ON true
-
 -- name: wal_advance
+-- The slot confirmed while no stream of relay's reads it (relay.db.stream
+-- confirms by its status updates).
 SELECT pg_replication_slot_advance(:slot, CAST(:lsn AS pg_lsn))
 
 -- name: wal_lag
