@@ -48,6 +48,7 @@ _CLAIM_PARAMETERS = ("limit", "worker", "workers", "budget", "alone")
 # outbox_claim_ids's, the ids written in as a literal array (checked UUIDs).
 _CLAIM_IDS_PARAMETERS = ("ids", "limit", "budget", "alone")
 _IDS_PARAMETER = re.compile(r"\$1(?!\d)")
+_SORT_IDS = "SET LOCAL enable_sort = on"
 # No byte budget: a claim's default (the tests', `relay retry`'s).
 UNBOUNDED = 1 << 62
 MARK_PUBLISHED = numbered(query("outbox_mark_published"), ["ids"])
@@ -231,6 +232,10 @@ class OutboxSession:
                     raise ValueError(f"not a list of UUIDs: {listed[:80]!r}")
                 written = _IDS_PARAMETER.sub(f"'{{{listed}}}'", self._claim_ids_sql)
                 claim = _written(written, [0, int(limit), int(budget), int(alone)])
+                # Sorting the rows found by id costs less than the walk of
+                # the pending index in seq order that enable_sort=off would
+                # choose (a backlog long: 21 ms against 6 for 500 of 20,000).
+                claim = f"{_SORT_IDS}; {claim}"
                 if self.pooled:
                     claim = f"{self._pooled_session}; {lock}; {claim}"
                 else:
