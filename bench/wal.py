@@ -32,35 +32,31 @@ from typing import Any
 import aio_pika
 import psycopg
 
-from bench.common import AMQP_URL, PAYLOAD_SQL, REPO, BenchError, Proc, relay_command, relay_env
+from bench.common import (
+    AMQP_URL,
+    PAYLOAD_SQL,
+    REPO,
+    BenchError,
+    Proc,
+    descendants,
+    relay_command,
+    relay_env,
+)
+from bench.cpu import TICK, cpu_seconds
 from bench.pgserver import own_postgres
 
 RESULTS = REPO / "bench" / "results"
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cluster_cpu(postmaster: int) -> float:
-    """CPU seconds (user + system) of the postmaster and its children so far."""
-    total = 0
-    pids = [postmaster]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == postmaster:  # ppid
-            pids.append(int(entry.name))
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # utime, stime, cutime, cstime (fields 14-17 of stat; 11-14 here)
-        total += sum(int(f) for f in fields[11:15])
-    return total / TICKS
+    """CPU seconds of the postmaster and its live processes so far, and of
+    the backends that ended (their CPU is the postmaster's cutime, cstime)."""
+    live = sum(cpu_seconds(pid) for pid in [postmaster, *descendants(postmaster)])
+    try:
+        fields = Path(f"/proc/{postmaster}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return live
+    return live + (int(fields[13]) + int(fields[14])) / TICK
 
 
 def postmaster_pid(data: Path) -> int:
