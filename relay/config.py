@@ -733,6 +733,11 @@ class OutboxSettings(DaemonSettings):
     cloudevents_source: str | None = None
     # Redis Streams: XADD's `MAXLEN ~ N` (None: the streams grow).
     stream_maxlen: int | None = None
+    # How committed rows are learnt of: "poll" (the claim, woken by
+    # notifications) or "wal" (a logical replication slot: relay.capture).
+    capture: str = "poll"
+    # --slot: the slot's and publication's name (None: relay_outbox[_SCHEMA]).
+    slot: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -741,6 +746,13 @@ class OutboxSettings(DaemonSettings):
                 raise ConfigError(f"invalid --stream-maxlen {self.stream_maxlen}: must be positive")
             if self.broker is not None and self.broker.kind != "redis":
                 raise ConfigError("--stream-maxlen applies to Redis Streams (redis://) only")
+        if self.capture not in ("poll", "wal"):
+            raise ConfigError(f"invalid --capture {self.capture!r}: use poll or wal")
+        if self.slot is not None and not re.fullmatch(r"[a-z0-9_]{1,63}", self.slot):
+            raise ConfigError(
+                f"invalid --slot {self.slot!r}: a replication slot's name is 1 to 63 "
+                "lower-case letters, digits and underscores"
+            )
         if self.on_unroutable not in ("publish", "fail"):
             raise ConfigError(
                 f"invalid --on-unroutable {self.on_unroutable!r}: use publish or fail"

@@ -132,6 +132,9 @@ class OutboxMetrics:
     """The outbox's metrics; with `by_source`, each has a first label
     `source`, and the loops count on a view of one source (for_source)."""
 
+    # --capture wal's (slot_gauges()).
+    slot_lag_bytes: Gauge
+    slot_active: Gauge
     # Counted on by the loops: a metric, or for a view a source's series.
     unroutable: Counter | _Bound
     dead_tuples: Gauge | _Bound
@@ -217,6 +220,22 @@ class OutboxMetrics:
             )
             if by_source
             else None
+        )
+
+    def slot_gauges(self) -> None:
+        """The replication slot's gauges (relay outbox --capture wal, one
+        source): slot_lag_bytes, slot_active."""
+        self.slot_lag_bytes = Gauge(
+            "relay_outbox_slot_lag_bytes",
+            "WAL the outbox's replication slot holds back: the server's position "
+            "less the slot's confirmed one (--capture wal)",
+            registry=self.registry,
+        )
+        self.slot_active = Gauge(
+            "relay_outbox_slot_active",
+            "1 while this relay reads the outbox's replication slot, 0 while it stands "
+            "by or the slot is being made again (--capture wal)",
+            registry=self.registry,
         )
 
     _PLAIN = (

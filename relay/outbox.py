@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -94,6 +95,11 @@ class OutboxRelay:
         self.budget = budget or Budget(DEFAULT_BATCH_BYTES, WORKERS, self.metrics.claimed_bytes.set)
         self._need: dict[int, int | None] = {}
         self.stopping = asyncio.Event()
+        # Whether idle workers claim at their poll interval (None: always).
+        # Under --capture wal only while the table may hold rows the slot
+        # will not deliver (relay.capture.WalCapture.claims_due): idle, the
+        # relay claims nothing.
+        self.poll_due: Callable[[], bool] | None = None
         self.last_progress = time.monotonic()
         # When the last claim of every key's due rows began (a scout's that
         # found no share held elsewhere): a poll sooner after it than the
@@ -147,7 +153,12 @@ class OutboxRelay:
             await session.close()
 
     async def publish_batch(
-        self, worker: int = 0, workers: int = 1, *, every_key: bool = False
+        self,
+        worker: int = 0,
+        workers: int = 1,
+        *,
+        every_key: bool = False,
+        ids: list[str] | None = None,
     ) -> tuple[int, int]:
         """Claim, publish and mark one batch: the rows of `worker`'s share of
         the keys (of `workers` shares), or with every_key those of all keys,
@@ -160,7 +171,12 @@ class OutboxRelay:
         ShareBusy (nothing claimed) when the share's lock stayed held by
         another relay's worker, or with every_key when one share was held
         elsewhere: the locks, one per share across every relay, are how no
-        two relays claim rows of the same keys at once."""
+        two relays claim rows of the same keys at once.
+
+        With `ids` (and every_key), the batch is those rows, as far as they
+        are pending and due and no earlier row of their key holds them
+        back, published in the order given (a replication slot's commit
+        order: relay.capture) rather than by seq."""
         session = self._sessions.get(worker)
         if session is None:
             session = self._sessions[worker] = self.store.outbox_session(self.on_dead, WORKERS)
@@ -179,6 +195,7 @@ class OutboxRelay:
                 held=held,
                 budget=grant,
                 alone=self.budget.alone(grant),
+                ids=ids,
             )
             self.budget.claimed(grant, used)
             grant = 0
@@ -189,6 +206,11 @@ class OutboxRelay:
             if not rows:
                 await session.finish(())
                 return 0, blocked
+            if ids is not None:
+                # Commit order; per key it is seq order (the producers'
+                # trigger draws a key's seq only once its earlier rows committed).
+                place = {row_id: n for n, row_id in enumerate(ids)}
+                rows.sort(key=lambda row: place.get(row.id, 0))
             started = time.perf_counter()
             spans = self._start_spans(rows) if tracing.enabled else None
             results = await self.publisher.publish(rows)
@@ -370,6 +392,8 @@ class OutboxRelay:
                 # A little less than the interval, at random: workers (and
                 # sources) started together do not poll in the same instant.
                 await sleep_unless(wakeup, self.poll_interval * random.uniform(0.8, 1.0))
+                while not wakeup.is_set() and self.poll_due is not None and not self.poll_due():
+                    await sleep_unless(wakeup, self.poll_interval)
             finally:
                 self._idle.discard(worker)
 

@@ -24,10 +24,19 @@ from relay import cloudevents, tracing
 from relay.backoff import Backoff, reconnect_backoff, until_available
 from relay.brokers import Consumer, Publisher, kind_of, make_consumer, make_publisher
 from relay.budget import FETCHED_SHARE, RECEIVED_SHARE, Budget
+from relay.capture import WalCapture
 from relay.claimcheck.inbound import Inbound
 from relay.config import DaemonSettings, InboxSettings, OutboxSettings
-from relay.db import NOTIFY_INBOX, NOTIFY_OUTBOX, Listener, SharedListeners, Store
-from relay.db.connect import check_tls
+from relay.db import (
+    NOTIFY_INBOX,
+    NOTIFY_OUTBOX,
+    Listener,
+    SharedListeners,
+    SlotReader,
+    Store,
+    slot_name,
+)
+from relay.db.connect import check_tls, libpq_url
 from relay.db.writer import InboxWriter
 from relay.handlers import HandlerRegistry, is_async
 from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
@@ -155,16 +164,71 @@ def outbox_service(
     )
     metrics.broker_blocked.set_function(lambda: 0 if publisher.blocked is None else 1)
     probe_lock = asyncio.Lock()
+    # --capture wal (relay.capture): a commit's notification wakes the
+    # slot's reader instead of the claim. Not with --once, which claims.
+    wal = settings.capture == "wal" and not once and listeners is None
+    captures: list[WalCapture] = []
+    if wal:
+        metrics.slot_gauges()
+
+    def wake() -> None:
+        if captures:
+            captures[0].wake()
+        else:
+            relay.wake()
 
     async def main(started: Started) -> None:
         await relay.wait_ready()
         if relay.stopping.is_set():
             return
+        if wal:
+            reader = SlotReader(
+                # The reader's lock is a session's: a direct connection
+                # (--listen-url's) where the --database-url is a pooler's.
+                libpq_url(settings.listen_url) if settings.listen_url else store.conninfo,
+                store.session_options,
+                slot_name(settings.slot, settings.schema),
+                await store.locate(),
+            )
+            capture = WalCapture(
+                relay,
+                reader,
+                metrics,
+                poll_interval=settings.poll_interval,
+                batch_size=settings.batch_size,
+            )
+            try:
+                # A server or role that cannot have a slot: exit 2 now.
+                await until_available(reader.check, relay.stopping, reconnect_backoff(), outbox_log)
+            except BaseException:
+                await reader.close()
+                raise
+            captures.append(capture)
         started()
         outbox_log.info(
-            "outbox relay started%s", " (--once)" if once else "", extra={"action": "started"}
+            "outbox relay started%s",
+            " (--once)" if once else " (--capture wal)" if wal else "",
+            extra={"action": "started"},
         )
-        await relay.run(once=once)
+        if not captures:
+            await relay.run(once=once)
+            return
+        capture = captures[0]
+        reading = asyncio.create_task(capture.run())
+        publishing = asyncio.create_task(relay.run())
+        try:
+            await asyncio.wait({reading, publishing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Stopping (or one of them failed): a reader ends its round, a
+            # stand-by its wait; the first error is the daemon's.
+            relay.stop()
+            capture.wake()
+            if not capture.reading:
+                reading.cancel()
+            await asyncio.wait({reading, publishing})
+        for task in (reading, publishing):
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
 
     async def broker_answers() -> bool:
         # An idle relay reconnects only when it has rows to publish, so after
@@ -202,7 +266,7 @@ def outbox_service(
             store, NOTIFY_OUTBOX, relay.wake, settings.listen_url
         )
     elif not once:
-        listener = Listener.for_store(store, NOTIFY_OUTBOX, relay.wake, settings.listen_url)
+        listener = Listener.for_store(store, NOTIFY_OUTBOX, wake, settings.listen_url)
         background["listener"] = lambda stop: listener.run()
     if shared_poll:
         assert listeners is not None

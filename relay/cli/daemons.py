@@ -174,6 +174,21 @@ def daemon_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
     metavar="N",
     help="Redis Streams: trim each stream to about N entries as relay adds to it (MAXLEN ~ N)",
 )
+@option(
+    "--capture",
+    metavar="poll|wal",
+    default="poll",
+    show_default=True,
+    help="how committed rows are learnt of: the claim woken by notifications (poll), or a "
+    "logical replication slot (wal: wal_level = logical and a role with REPLICATION)",
+)
+@option(
+    "--slot",
+    default=None,
+    metavar="NAME",
+    help="--capture wal: the replication slot's and publication's name "
+    "[default: relay_outbox, with _SCHEMA added for a --schema]",
+)
 def outbox(once: bool, **kwargs: Any) -> None:
     """The outbox relay: publish committed outbox rows to the broker (of one
     source, or of several: every --schema in every --database-url, or --sources)."""
@@ -190,6 +205,12 @@ def outbox(once: bool, **kwargs: Any) -> None:
     )
     if len(sources) == 1 and path is None:
         sys.exit(run_coro(serve_outbox(settings, once=once)))
+    if settings.capture == "wal":
+        fail_config(
+            ConfigError(
+                "--capture wal reads one source's slot: give one --database-url and --schema"
+            )
+        )
     if settings.listen_url and len({s.database_url for s in sources}) > 1:
         fail_config(
             ConfigError(

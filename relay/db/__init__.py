@@ -16,6 +16,9 @@ package, never SQLAlchemy or psycopg itself.
 | `listener` | `Listener`: LISTEN with its self-check; one per database shared by schemas |
 | `jobs` | retention, gauges and the churn vacuum |
 | `schema` | SQLAlchemy tables mirroring schema/*.sql, applying them |
+| `slot` | `SlotReader`: the outbox's replication slot (--capture wal): made, read, moved |
+| `stream` | `SlotStream`: the slot read through the replication protocol, in a thread |
+| `pgoutput` | decoding the `pgoutput` plugin's messages (no psycopg) |
 
 Names load on first use (PEP 562), so that `relay.db.writer`, in the
 receiver's process, brings no SQLAlchemy along.
@@ -45,7 +48,9 @@ if TYPE_CHECKING:
         vacuum,
     )
     from relay.db.listener import Listener, SharedListeners
+    from relay.db.pgoutput import Transaction
     from relay.db.session import OutboxSession
+    from relay.db.slot import SlotLost, SlotReader, SlotUnreadable, slot_name
     from relay.db.store import NOTIFY_INBOX, NOTIFY_OUTBOX, Store, named, retry_in
     from relay.db.writer import InboxWriter
 
@@ -59,6 +64,11 @@ _LAZY = {
     "NOTIFY_INBOX": "relay.db.store",
     "NOTIFY_OUTBOX": "relay.db.store",
     "OutboxSession": "relay.db.session",
+    "SlotLost": "relay.db.slot",
+    "SlotReader": "relay.db.slot",
+    "SlotUnreadable": "relay.db.slot",
+    "Transaction": "relay.db.pgoutput",
+    "slot_name": "relay.db.slot",
     "RETENTION_LOCK": "relay.db.jobs",
     "Refused": "relay.db.errors",
     "Store": "relay.db.store",
@@ -85,7 +95,11 @@ __all__ = [
     "OutboxSession",
     "Refused",
     "SharedListeners",
+    "SlotLost",
+    "SlotReader",
+    "SlotUnreadable",
     "Store",
+    "Transaction",
     "connection_invalidated",
     "create_database_if_missing",
     "delete_expired",
@@ -94,6 +108,7 @@ __all__ = [
     "named",
     "pending_gauge",
     "retry_in",
+    "slot_name",
     "table_health",
     "translate_errors",
     "vacuum",

@@ -45,6 +45,10 @@ _UUID_LIST = re.compile(r"[0-9a-fA-F,-]*").fullmatch
 # The prepared statements' parameters, in order: relay_claim(int, int, int,
 # bigint, int) and relay_mark(uuid[]).
 _CLAIM_PARAMETERS = ("limit", "worker", "workers", "budget", "alone")
+# outbox_claim_ids's, the ids written in as a literal array (checked UUIDs).
+_CLAIM_IDS_PARAMETERS = ("ids", "limit", "budget", "alone")
+_IDS_PARAMETER = re.compile(r"\$1(?!\d)")
+_SORT_IDS = "SET LOCAL enable_sort = on"
 # No byte budget: a claim's default (the tests', `relay retry`'s).
 UNBOUNDED = 1 << 62
 MARK_PUBLISHED = numbered(query("outbox_mark_published"), ["ids"])
@@ -177,6 +181,7 @@ class OutboxSession:
         # in the same two round trips.
         self.pooled = False
         self._claim_sql = ""  # for the server's version, once connected
+        self._claim_ids_sql = ""
 
     async def claim(
         self,
@@ -187,6 +192,7 @@ class OutboxSession:
         held: Collection[int] = (),
         budget: int = UNBOUNDED,
         alone: bool = True,
+        ids: Sequence[str] | None = None,
     ) -> Claimed:
         """Begin a batch's transaction and lock due rows of this worker's
         share of the keys (or, with workers 1, of every key); returns the
@@ -201,8 +207,14 @@ class OutboxSession:
 
         The rows' payloads add up to at most `budget` bytes, but for a first
         row larger than that, which is taken alone when `alone` (see
-        relay.budget and the claim in queries/outbox.sql)."""
+        relay.budget and the claim in queries/outbox.sql).
+
+        With `ids` (a claim of every key), only those rows are claimed, as
+        they are due (outbox_claim_ids: the rows a replication slot
+        delivered, relay outbox --capture wal)."""
         every_key = workers == 1
+        if ids is not None and not every_key:
+            raise ValueError("a claim of given rows is a claim of every key")
         if not every_key and workers != self.shares:
             raise ValueError(f"{workers} shares of the keys, but locks for {self.shares}")
         async with self._errors():
@@ -214,7 +226,21 @@ class OutboxSession:
                 lock = _written(_SHARES_TRY, [self.lock_class, tried])
             else:
                 lock = _share_wait(share_key(worker, workers), self.lock_class)
-            if self.pooled:
+            if ids is not None:
+                listed = ",".join(ids)
+                if not _UUID_LIST(listed):
+                    raise ValueError(f"not a list of UUIDs: {listed[:80]!r}")
+                written = _IDS_PARAMETER.sub(f"'{{{listed}}}'", self._claim_ids_sql)
+                claim = _written(written, [0, int(limit), int(budget), int(alone)])
+                # Sorting the rows found by id costs less than the walk of
+                # the pending index in seq order that enable_sort=off would
+                # choose (a backlog long: 21 ms against 6 for 500 of 20,000).
+                claim = f"{_SORT_IDS}; {claim}"
+                if self.pooled:
+                    claim = f"{self._pooled_session}; {lock}; {claim}"
+                else:
+                    claim = f"{lock}; {claim}"
+            elif self.pooled:
                 claim = f"{self._pooled_session}; {lock}; {_written(self._claim_sql, args)}"
             else:
                 claim = f"{lock}; EXECUTE relay_claim({', '.join(map(str, args))})"
@@ -302,6 +328,10 @@ class OutboxSession:
             )
             self._claim_sql = numbered(
                 claim("outbox", self.on_dead, conn.info.server_version), _CLAIM_PARAMETERS
+            )
+            self._claim_ids_sql = numbered(
+                claim("outbox", self.on_dead, conn.info.server_version, which="_ids"),
+                _CLAIM_IDS_PARAMETERS,
             )
             if self.pooled:
                 self._conn = conn

@@ -86,16 +86,19 @@ _SIZE_13 = "greatest(pg_column_size(t.payload), octet_length(t.payload::text))"
 COMPRESSION_KNOWN = 140000
 
 
-def claim(table: str, on_dead: str, server_version: int = COMPRESSION_KNOWN) -> str:
+def claim(
+    table: str, on_dead: str, server_version: int = COMPRESSION_KNOWN, *, which: str = ""
+) -> str:
     """The claim of `table` (outbox, inbox) under the --on-dead policy (skip,
     block): the query with its `{dead}` slot filled from a fixed choice, and
-    its `{size}` slot with the payload's size for that server version."""
+    its `{size}` slot with the payload's size for that server version. The
+    outbox's claims share their end (`{tail}`: outbox_claim_tail); `which`
+    names another of them (`_ids`: outbox_claim_ids, the WAL capture's)."""
     size = _SIZE if server_version >= COMPRESSION_KNOWN else _SIZE_13
-    return (
-        query(f"{table}_claim")
-        .replace("{dead}", query(f"{table}_claim_dead_{on_dead}"))
-        .replace("{size}", size)
-    )
+    text = query(f"{table}_claim{which}")
+    if "{tail}" in text:
+        text = text.replace("{tail}", query(f"{table}_claim_tail"))
+    return text.replace("{dead}", query(f"{table}_claim_dead_{on_dead}")).replace("{size}", size)
 
 
 def names() -> list[str]:

@@ -66,6 +66,12 @@ WITH low AS MATERIALIZED (
     ORDER BY o.seq
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
+{tail}
+
+-- name: outbox_claim_tail
+-- The claims' common end (outbox_claim, outbox_claim_ids: their `{tail}`):
+-- the locked rows measured against the byte budget, and whether each is
+-- blocked behind an earlier pending row of its key held elsewhere.
 ), stored AS (
     SELECT l.*, sum(pg_column_size(l.payload)) OVER w - pg_column_size(l.payload) AS before,
            row_number() OVER w AS rn
@@ -89,6 +95,33 @@ FROM sized l
 -- The rows that fit, and the first that does not (the one before it fits).
 WHERE l.nth = 1 OR l.upto - l.size <= :budget OR (l.nth = 2 AND CAST(:alone AS int) = 1)
 ORDER BY l.seq
+
+-- name: outbox_claim_ids
+-- The claim of the rows the slot delivered (relay outbox --capture wal):
+-- of :ids, those still pending and due, whose key has no earlier row held
+-- back (the same filter as outbox_claim's, with the same `low` and {dead});
+-- no walk through the pending rows and no share of the keys: it runs under
+-- every share's lock (outbox_shares_try), as a scout's claim does.
+WITH low AS MATERIALIZED (
+    SELECT coalesce(min(seq), 0) AS seq FROM outbox WHERE status = 'pending'
+), locked AS (
+    SELECT o.id, o.seq, o.topic, o.key, o.type, o.payload, o.headers, o.created_at, o.attempts
+    FROM outbox o
+    WHERE current_setting('relay.shares_busy', true) IS DISTINCT FROM 'true'
+      AND o.id = ANY(CAST(:ids AS uuid[]))
+      AND o.status = 'pending'
+      AND o.available_at <= now()
+      AND (o.key IS NULL OR (
+          NOT EXISTS (
+              SELECT 1 FROM outbox e
+              WHERE e.key = o.key AND e.seq >= (SELECT seq FROM low) AND e.seq < o.seq
+                AND e.status <> 'published' AND e.status <> 'dead'
+                AND (e.available_at > now() OR e.attempts > 0))
+          {dead}))
+    ORDER BY o.seq
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+{tail}
 
 -- name: outbox_share_wait
 -- A worker's share of the keys, for the rest of its transaction: one
