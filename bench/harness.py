@@ -59,6 +59,7 @@ class Sizes:
     wire_rounds: int = 2
     sqs_ref: int = 1_000  # moto's ReceiveMessage is quadratic in the queue's depth
     multi: int = 50_000
+    redis: int = 100_000  # issue 53: `relay outbox --once` to Redis Streams
     # Seconds of a quiet machine that backlog and retention wait for before
     # each daemon starts (bench.common.settle); 0: no wait.
     quiet_for: int = 5
@@ -119,6 +120,7 @@ QUICK = Sizes(
     wire_rounds=1,
     sqs_ref=100,
     multi=5_000,
+    redis=5_000,
     quiet_for=0,
 )
 

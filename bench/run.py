@@ -83,6 +83,7 @@ from bench.harness import (
 from bench.kafka import scenario_kafka, scenario_kafka_backlog, scenario_kafka_cloudevents
 from bench.naive import run_naive
 from bench.pgserver import own_postgres
+from bench.redis_streams import scenario_redis
 from bench.reference import (
     OFFERED,
     beam_cpu,
@@ -530,10 +531,12 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "kafka_backlog": scenario_kafka_backlog,
     "kafka_cloudevents": scenario_kafka_cloudevents,
     "cloudevents": scenario_cloudevents,
+    "redis": scenario_redis,
 }
-# Run only when named (--only): `kafka` starts a broker of its own (Tansu),
-# and the quick run of every scenario is near its time limit in the tests.
-OPT_IN = frozenset({"kafka", "kafka_backlog", "kafka_cloudevents"})
+# Run only when named (--only): `kafka` and `redis` start a broker of their
+# own (Tansu, redis-server), and the quick run of every scenario is near its
+# time limit in the tests.
+OPT_IN = frozenset({"kafka", "kafka_backlog", "kafka_cloudevents", "redis"})
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
 OWN_SERVER = frozenset({"backlog", "retention", "kafka_backlog"})
@@ -718,6 +721,15 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
             0.9,
             "x",
         )
+    # Issue 53: Redis Streams (bench.redis_streams).
+    check("53: outbox to Redis / serial floor", g("redis", "outbox_over_floor"), ">=", 0.4, "x")
+    check(
+        "53: inbox (batch handler) / Redis drain",
+        g("redis", "inbox_batch_over_drain"),
+        ">=",
+        0.5,
+        "x",
+    )
     return checks
 
 

@@ -56,21 +56,21 @@ async def test_a_live_consumer_keeps_what_it_holds_past_claim_idle(redis_streams
         exchange="relay",
         binds=(),
         prefetch=100,
-        claim_idle=1.0,
+        claim_idle=2.0,
     )
     batches = slow.batches(10, 0.3)
     stolen: list[object] = []
     try:
         held = await asyncio.wait_for(anext(batches), 30)
         assert len(held) == 5
-        # Held unacknowledged for four times claim_idle while another
+        # Held unacknowledged for 2.5 times claim_idle while another
         # consumer of the group claims, ten times a second, whatever is
-        # idle over 0.8 s (less than claim_idle: its own may differ): it
+        # idle over 1.6 s (less than claim_idle: its own may differ): it
         # gets none.
-        for _ in range(40):
+        for _ in range(50):
             await asyncio.sleep(0.1)
             reply = await asyncio.to_thread(
-                redis_streams.client.xautoclaim, stream, stream, "thief", 800
+                redis_streams.client.xautoclaim, stream, stream, "thief", 1600
             )
             stolen += reply[1]
         await slow.ack(held)

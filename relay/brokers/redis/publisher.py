@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis import exceptions as rex
 
 from relay.brokers import (
     Outcome,
@@ -24,6 +25,11 @@ from relay.brokers.redis.client import FAILED, UNREACHABLE, describe, make_clien
 from relay.config import BrokerURL
 from relay.errors import BrokerUnavailable
 from relay.rows import Failure, OutboxRow
+
+try:  # C: redis-py's asyncio connection packs commands in Python
+    from hiredis import pack_command
+except ImportError:  # pragma: no cover - the redis extra brings it
+    pack_command = None  # type: ignore[assignment]
 
 log = logging.getLogger("relay.brokers.redis")
 
@@ -71,6 +77,33 @@ class RedisPublisher:
         """Why Redis is unreachable now, or None."""
         return self._down
 
+    @staticmethod
+    async def _pipeline(client: aioredis.Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """The commands down one connection in one write, then each reply
+        read in turn: an error reply is that command's, in its place.
+        redis-py's own pipeline, less its per-command packing in Python
+        (hiredis packs a batch in C: two thirds of the outbox's CPU)."""
+        pool = client.connection_pool
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            if pack_command is not None:
+                packed: Any = b"".join([pack_command(command) for command in commands])
+            else:
+                packed = conn.pack_commands(commands)
+            await conn.send_packed_command(packed, check_health=False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response())
+                except rex.ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            await conn.disconnect()  # half read: never used again
+            raise
+        finally:
+            await pool.release(conn)
+
     blocked: str | None = None  # Redis refuses a write (OOM); it never blocks one
 
     async def wait_unblocked(self) -> None:
@@ -114,7 +147,7 @@ class RedisPublisher:
         results: list[PublishResult] = [None] * len(rows)
         held: set[str] = set()  # keys whose row failed here: their later rows wait
         sent: list[int] = []
-        pipe = client.pipeline(transaction=False)
+        commands: list[tuple[Any, ...]] = []
         for index, row in enumerate(rows):
             if row.key is not None and row.key in held:
                 results[index] = Outcome.RELEASE
@@ -126,12 +159,12 @@ class RedisPublisher:
                 if row.key is not None:
                     held.add(row.key)
                 continue
-            pipe.execute_command("XADD", row.topic, *self._head, *fields)
+            commands.append(("XADD", row.topic, *self._head, *fields))
             sent.append(index)
         if not sent:
             return results
         try:
-            replies = await pipe.execute(raise_on_error=False)
+            replies = await self._pipeline(client, commands)
         except UNREACHABLE as exc:
             # Maybe written, maybe not: pending again, no attempt (a
             # republish is a duplicate the inbox drops by its id).
