@@ -13,6 +13,7 @@ together.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import re
@@ -47,9 +48,9 @@ MSG_ID = "Nats-Msg-Id"  # JetStream's duplicate window is keyed by it
 ACK_TIMEOUT = 10.0
 # JetStream's error codes (err_code) of a message the stream will never take.
 _TOO_LARGE = {10054}  # JSStreamMessageExceedsMaximumErr
-# A header line is `Name: Value\r\n`; the block starts `NATS/1.0\r\n`, ends `\r\n`.
+# A header line is `Name: Value\r\n`; the block starts `NATS/1.0\r\n`, ends `\r\n`;
+# a name is a token (RFC 7230, as nats-py checks it).
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_HEADER_BLOCK = len(b"NATS/1.0\r\n\r\n")
 _SUBJECT_SPACE = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
@@ -60,17 +61,15 @@ class Message:
     subject: str
     data: bytes
     headers: dict[str, str]
+    header: bytes  # the header block as sent: `NATS/1.0`, `Name: Value` lines
 
     @property
     def size(self) -> int:
         """Data and header block, as the server counts them against max_payload."""
-        return (
-            len(self.data)
-            + _HEADER_BLOCK
-            + sum(len(n) + len(v.encode()) + 4 for n, v in self.headers.items())
-        )
+        return len(self.data) + len(self.header)
 
 
+@functools.lru_cache(maxsize=4096)  # a few topics, each checked once (a bad one raises again)
 def _check_subject(topic: str) -> None:
     if _SUBJECT_SPACE.search(topic) or any(token in ("", "*", ">") for token in topic.split(".")):
         raise BadMessage(
@@ -79,12 +78,15 @@ def _check_subject(topic: str) -> None:
         )
 
 
-def _check_header(name: str, value: str) -> None:
+def _check_name(name: str) -> None:
     if not _HEADER_NAME.fullmatch(name):
         raise BadMessage(
             f"header name {name[:100]!r} cannot be a NATS header (letters, digits and "
             "!#$%&'*+-.^_`|~ only)"
         )
+
+
+def _check_value(name: str, value: str) -> None:
     if "\r" in value or "\n" in value or value != value.strip():
         raise BadMessage(
             f"header {name!r}: a NATS header value cannot hold a line break or begin or "
@@ -98,24 +100,30 @@ def build_message(row: OutboxRow) -> Message:
     _check_subject(row.topic)
     own: dict[str, str] = {MSG_ID: row.id}
     if row.type:
+        _check_value("type", row.type)
         own["type"] = row.type
     if row.key is not None:
+        _check_value("key", row.key)
         own["key"] = row.key
     own["Content-Type"] = "application/json"
     for name, value in row.attributes:
-        own[name] = value if type(value) is str else str(value)
-    headers = dict(own)
+        text = value if type(value) is str else str(value)
+        _check_name(name)
+        _check_value(name, text)
+        own[name] = text
+    headers = own
     given = row_headers(row)
     if given:
         # relay's own headers win over the row's of the same name (a second
         # Nats-Msg-Id would change what the stream's duplicate window sees).
-        headers = {
-            **{name: value for name, value in given.items() if name not in own},
-            **own,
-        }
-    for name, value in headers.items():
-        _check_header(name, value)
-    return Message(row.topic, row_body(row), headers)
+        for name, value in given.items():
+            _check_name(name)
+            _check_value(name, value)
+        headers = {**{n: v for n, v in given.items() if n not in own}, **own}
+    block = b"NATS/1.0\r\n" + b"".join(
+        b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in headers.items()
+    )
+    return Message(row.topic, row_body(row), headers, block + b"\r\n")
 
 
 @dataclass(slots=True)
@@ -264,11 +272,8 @@ class NatsPublisher:
                 self._waiting[token] = (batch, index, message.subject)
                 batch.outstanding += 1
                 try:
-                    await client.publish(
-                        message.subject,
-                        message.data,
-                        reply=f"{self._prefix}.{token}",
-                        headers=message.headers,
+                    await client.publish_block(
+                        message.subject, f"{self._prefix}.{token}", message.header, message.data
                     )
                 except Exception as exc:  # noqa: BLE001 - the connection, not the row
                     if self._waiting.pop(token, None) is not None:
