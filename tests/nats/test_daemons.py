@@ -6,6 +6,7 @@ tests/e2e)."""
 
 from __future__ import annotations
 
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -373,3 +374,39 @@ def test_relay_demo_runs_on_nats(engine: sa.Engine, nats_helper: Nats, run_relay
     )
     assert handled > 0 and consumers == [queue], result.stdout
     assert len(nats_helper.run(nats_helper.messages(queue))) >= handled
+
+
+@pytest.mark.timeout(300)
+def test_two_inboxes_share_one_consumer_and_a_kill_9_loses_nothing(
+    effects: sa.Engine, nats_helper: Nats, start_relay
+):
+    stream, subject = nats_helper.run(nats_helper.stream("shared"))
+    nats_helper.run(nats_helper.add_consumer(stream, stream, ack_wait=ACK_WAIT))
+    total = 1500
+    nats_helper.run(
+        nats_helper.publish_many(
+            [
+                (
+                    f"{subject}.x",
+                    orjson.dumps({"n": n}),
+                    {"Nats-Msg-Id": f"s-{n}", "type": "Effect"},
+                )
+                for n in range(total)
+            ]
+        )
+    )
+    env = {"RELAY_BROKER_URL": nats_helper.url}
+    first = start_relay(*inbox_args(stream, "--batch-size", "20"), env=env)
+    second = start_relay(*inbox_args(stream, "--batch-size", "20"), env=env)
+    for daemon in (first, second):
+        daemon.wait_for_log("consuming NATS stream", timeout=60)
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) > total // 10, timeout=60)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    assert len(rows(effects, "SELECT 1 FROM inbox")) < total, "killed too late to prove anything"
+    wait_until(lambda: len(set(effect_ids(effects))) == total, timeout=120)
+    ids = effect_ids(effects)
+    assert len(ids) == total and set(ids) == {f"s-{n}" for n in range(total)}
+    wait_until(lambda: drained(nats_helper, stream, stream), timeout=60)
+    second.stop()
+    assert second.proc.returncode == 0
