@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from relay.brokers import Incoming, Outcome, make_consumer, make_publisher
-from relay.brokers.nats.publisher import build_message
+from relay.brokers.nats.publishing import build_message
 from relay.config import BrokerURL, InboxSettings, redact_url
 from relay.errors import BrokerUnavailable, ConfigError
 from relay.outbox import WORKERS

@@ -45,6 +45,9 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+_PLAIN = b"NATS/1.0\r\n"  # a header block without a status
+
+
 class RawHeaders(dict[str, str]):
     """nats-py's parsed headers, with the header block as received (`raw`)."""
 
@@ -59,13 +62,18 @@ class Client(NatsClient):
     and header values lossily; relay decodes both itself, from the bytes."""
 
     async def _process_headers(self, headers: Any) -> dict[str, str] | None:
-        try:
-            parsed = await super()._process_headers(headers)
-        except Exception:  # noqa: BLE001 - relay parses the raw block itself
-            parsed = None
         if not headers:
-            return parsed
-        found = RawHeaders(parsed or {})
+            return None
+        if headers.startswith(_PLAIN):
+            # No status: relay reads the block itself (NatsConsumer), so
+            # nats-py's parse of every message's headers is skipped.
+            found = RawHeaders()
+        else:  # a status (no responders, a pull request's end): nats-py's own reading
+            try:
+                parsed = await super()._process_headers(headers)
+            except Exception:  # noqa: BLE001 - relay parses the raw block itself
+                parsed = None
+            found = RawHeaders(parsed or {})
         found.raw = bytes(headers)
         return found
 
@@ -83,7 +91,7 @@ class Client(NatsClient):
 
     async def publish_block(self, subject: str, reply: str, header: bytes, payload: bytes) -> None:
         """publish() with a header block the caller built and checked
-        (relay.brokers.nats.publisher.build_message): nothing parsed again,
+        (relay.brokers.nats.publishing.build_message): nothing parsed again,
         nothing changed on the way (nats-py strips values and replaces line
         breaks), and nothing buffered while the connection is away."""
         if self.is_closed or not self.is_connected:

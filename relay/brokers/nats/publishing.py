@@ -286,7 +286,8 @@ class NatsPublisher:
                 break
             batch.changed.clear()
             try:
-                await asyncio.wait_for(batch.changed.wait(), deadline - loop.time())
+                async with asyncio.timeout(deadline - loop.time()):
+                    await batch.changed.wait()
             except TimeoutError:
                 self._expire(batch)
         released = all(r is Outcome.RELEASE for r in batch.results)
