@@ -410,3 +410,17 @@ def test_two_inboxes_share_one_consumer_and_a_kill_9_loses_nothing(
     wait_until(lambda: drained(nats_helper, stream, stream), timeout=60)
     second.stop()
     assert second.proc.returncode == 0
+
+
+def test_an_inbox_on_a_missing_stream_says_so_and_starts_once_it_is_made(
+    effects: sa.Engine, nats_helper: Nats, start_relay
+):
+    stream = nats_helper.name("later")
+    daemon = start_relay(*inbox_args(stream), env={"RELAY_BROKER_URL": nats_helper.url})
+    daemon.wait_for_log(f"NATS stream {stream!r} does not exist", timeout=30)
+    assert daemon.proc.poll() is None, daemon.log
+    nats_helper.run(nats_helper.create(stream, [stream]))
+    nats_helper.run(nats_helper.publish(stream, b"{}", {"Nats-Msg-Id": "late", "type": "Effect"}))
+    wait_until(lambda: effect_ids(effects) == ["late"], timeout=60)
+    daemon.stop()
+    assert daemon.proc.returncode == 0
