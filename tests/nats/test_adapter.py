@@ -131,6 +131,19 @@ async def test_a_keys_later_rows_wait_when_the_stream_refuses_its_first(nats_hel
     assert stored.headers["Nats-Msg-Id"] == batch[2].id
 
 
+async def test_relay_connects_to_any_server_of_the_list_that_answers(nats_helper: Nats):
+    subject = nats_helper.name("any")
+    stream = await nats_helper.create(f"S-{subject}", [subject])
+    live = nats_helper.url.removeprefix("nats://")
+    for url in (f"nats://127.0.0.1:1,{live}", f"nats://{live},127.0.0.1:1"):
+        publisher = make_publisher(BrokerURL.parse(url), exchange="relay", workers=1)
+        try:
+            assert await publisher.publish([row(subject, {"n": 1})]) == [None]
+        finally:
+            await publisher.close()
+    assert len(await nats_helper.messages(stream)) == 2
+
+
 async def test_an_unreachable_server_is_unavailable_with_its_reason(nats_helper: Nats):
     publisher = make_publisher(
         BrokerURL.parse("nats://app:s3cret@127.0.0.1:1,127.0.0.1:2"), exchange="relay", workers=1
