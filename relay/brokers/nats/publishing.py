@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import orjson
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 
 from relay.brokers import (
     Outcome,
@@ -52,6 +53,9 @@ _TOO_LARGE = {10054}  # JSStreamMessageExceedsMaximumErr
 # a name is a token (RFC 7230, as nats-py checks it).
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _SUBJECT_SPACE = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
+_NO_RESPONDERS = Failure("no responders")
 
 
 @dataclass(slots=True)
@@ -137,6 +141,7 @@ class _Batch:
     following: dict[str, deque[int]] = field(default_factory=dict)  # a key's later rows
     keys: dict[int, str] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    unanswered: dict[int, str] = field(default_factory=dict)  # no responders: row -> subject
 
 
 class NatsPublisher:
@@ -255,7 +260,35 @@ class NatsPublisher:
                 batch.keys[index] = key
                 batch.ready.append(index)
         await self._send(client, batch, messages)
+        if batch.unanswered:
+            await self._check_unanswered(client, batch)
         return batch.results
+
+    async def _check_unanswered(self, client: Client, batch: _Batch) -> None:
+        """ "No responders" is a failed attempt only when JetStream says that
+        no stream captures the subject. When one does, the stream did not
+        answer (a server still recovering its streams after a restart, a
+        stream's leader being elected): the row is released, no attempt."""
+        js = client.jetstream(timeout=API_TIMEOUT)
+        captured: dict[str, bool] = {}
+        for subject in set(batch.unanswered.values()):
+            try:
+                await js.find_stream_name_by_subject(subject)
+                captured[subject] = True
+            except NotFoundError:
+                captured[subject] = False
+            except Exception as exc:  # noqa: BLE001 - JetStream not answering either
+                log.debug("NATS: no stream lookup for %r: %s", subject, describe(exc))
+                captured[subject] = True
+        for index, subject in batch.unanswered.items():
+            if captured[subject]:
+                batch.results[index] = Outcome.RELEASE
+        waiting = [subject for subject, found in captured.items() if found]
+        if waiting:
+            log.warning(
+                "NATS: the stream capturing %s did not answer (starting?): sent again later",
+                ", ".join(map(repr, sorted(waiting))),
+            )
 
     async def _send(self, client: Client, batch: _Batch, messages: dict[int, Message]) -> None:
         loop = asyncio.get_running_loop()
@@ -326,6 +359,12 @@ class NatsPublisher:
         batch, index, subject = found
         batch.outstanding -= 1
         result = self._result(msg, subject, batch.sizes.get(index, 0))
+        if result is _NO_RESPONDERS:
+            batch.unanswered[index] = subject
+            result = Failure(
+                f"no NATS stream captures subject {subject!r} (no responders); relay never "
+                "creates streams: add the subject to a stream"
+            )
         batch.results[index] = result
         key = batch.keys.get(index)
         if result is not None:
@@ -340,10 +379,7 @@ class NatsPublisher:
         headers = msg.headers or {}
         status = headers.get("Status")
         if status == "503":
-            return Failure(
-                f"no NATS stream captures subject {subject!r} (no responders); relay never "
-                "creates streams: add the subject to a stream"
-            )
+            return _NO_RESPONDERS  # made a Failure by the caller, checked after the batch
         if status:
             return Failure(f"NATS answered status {status} {headers.get('Description', '')}")
         try:
