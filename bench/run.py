@@ -82,6 +82,7 @@ from bench.harness import (
 )
 from bench.kafka import scenario_kafka, scenario_kafka_backlog, scenario_kafka_cloudevents
 from bench.naive import run_naive
+from bench.nats import scenario_nats
 from bench.pgserver import own_postgres
 from bench.redis_streams import scenario_redis
 from bench.reference import (
@@ -532,11 +533,12 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "kafka_cloudevents": scenario_kafka_cloudevents,
     "cloudevents": scenario_cloudevents,
     "redis": scenario_redis,
+    "nats": scenario_nats,
 }
-# Run only when named (--only): `kafka` and `redis` start a broker of their
-# own (Tansu, redis-server), and the quick run of every scenario is near its
-# time limit in the tests.
-OPT_IN = frozenset({"kafka", "kafka_backlog", "kafka_cloudevents", "redis"})
+# Run only when named (--only): `kafka`, `redis` and `nats` start a broker of
+# their own (Tansu, redis-server, nats-server), and the quick run of every
+# scenario is near its time limit in the tests.
+OPT_IN = frozenset({"kafka", "kafka_backlog", "kafka_cloudevents", "redis", "nats"})
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
 # cluster of their own (bench.pgserver) unless --shared-postgres.
 OWN_SERVER = frozenset({"backlog", "retention", "kafka_backlog"})
@@ -726,6 +728,15 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
     check(
         "53: inbox (batch handler) / Redis drain",
         g("redis", "inbox_batch_over_drain"),
+        ">=",
+        0.5,
+        "x",
+    )
+    # Issue 53: NATS JetStream (bench.nats).
+    check("53: outbox to NATS / bare nats-py", g("nats", "outbox_over_bare"), ">=", 0.8, "x")
+    check(
+        "53: inbox (batch handler) / NATS drain",
+        g("nats", "inbox_batch_over_drain"),
         ">=",
         0.5,
         "x",

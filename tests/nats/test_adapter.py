@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from relay.brokers import Incoming, Outcome, make_consumer, make_publisher
-from relay.brokers.nats.publisher import build_message
+from relay.brokers.nats.publishing import build_message
 from relay.config import BrokerURL, InboxSettings, redact_url
 from relay.errors import BrokerUnavailable, ConfigError
 from relay.outbox import WORKERS
@@ -129,6 +129,19 @@ async def test_a_keys_later_rows_wait_when_the_stream_refuses_its_first(nats_hel
     assert results[1:] == [Outcome.RELEASE, None]
     [stored] = await nats_helper.messages(stream)
     assert stored.headers["Nats-Msg-Id"] == batch[2].id
+
+
+async def test_relay_connects_to_any_server_of_the_list_that_answers(nats_helper: Nats):
+    subject = nats_helper.name("any")
+    stream = await nats_helper.create(f"S-{subject}", [subject])
+    live = nats_helper.url.removeprefix("nats://")
+    for url in (f"nats://127.0.0.1:1,{live}", f"nats://{live},127.0.0.1:1"):
+        publisher = make_publisher(BrokerURL.parse(url), exchange="relay", workers=1)
+        try:
+            assert await publisher.publish([row(subject, {"n": 1})]) == [None]
+        finally:
+            await publisher.close()
+    assert len(await nats_helper.messages(stream)) == 2
 
 
 async def test_an_unreachable_server_is_unavailable_with_its_reason(nats_helper: Nats):

@@ -6,6 +6,7 @@ tests/e2e)."""
 
 from __future__ import annotations
 
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -373,3 +374,53 @@ def test_relay_demo_runs_on_nats(engine: sa.Engine, nats_helper: Nats, run_relay
     )
     assert handled > 0 and consumers == [queue], result.stdout
     assert len(nats_helper.run(nats_helper.messages(queue))) >= handled
+
+
+@pytest.mark.timeout(300)
+def test_two_inboxes_share_one_consumer_and_a_kill_9_loses_nothing(
+    effects: sa.Engine, nats_helper: Nats, start_relay
+):
+    stream, subject = nats_helper.run(nats_helper.stream("shared"))
+    nats_helper.run(nats_helper.add_consumer(stream, stream, ack_wait=ACK_WAIT))
+    total = 1500
+    nats_helper.run(
+        nats_helper.publish_many(
+            [
+                (
+                    f"{subject}.x",
+                    orjson.dumps({"n": n}),
+                    {"Nats-Msg-Id": f"s-{n}", "type": "Effect"},
+                )
+                for n in range(total)
+            ]
+        )
+    )
+    env = {"RELAY_BROKER_URL": nats_helper.url}
+    first = start_relay(*inbox_args(stream, "--batch-size", "20"), env=env)
+    second = start_relay(*inbox_args(stream, "--batch-size", "20"), env=env)
+    for daemon in (first, second):
+        daemon.wait_for_log("consuming NATS stream", timeout=60)
+    wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) > total // 10, timeout=60)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    assert len(rows(effects, "SELECT 1 FROM inbox")) < total, "killed too late to prove anything"
+    wait_until(lambda: len(set(effect_ids(effects))) == total, timeout=120)
+    ids = effect_ids(effects)
+    assert len(ids) == total and set(ids) == {f"s-{n}" for n in range(total)}
+    wait_until(lambda: drained(nats_helper, stream, stream), timeout=60)
+    second.stop()
+    assert second.proc.returncode == 0
+
+
+def test_an_inbox_on_a_missing_stream_says_so_and_starts_once_it_is_made(
+    effects: sa.Engine, nats_helper: Nats, start_relay
+):
+    stream = nats_helper.name("later")
+    daemon = start_relay(*inbox_args(stream), env={"RELAY_BROKER_URL": nats_helper.url})
+    daemon.wait_for_log(f"NATS stream {stream!r} does not exist", timeout=30)
+    assert daemon.proc.poll() is None, daemon.log
+    nats_helper.run(nats_helper.create(stream, [stream]))
+    nats_helper.run(nats_helper.publish(stream, b"{}", {"Nats-Msg-Id": "late", "type": "Effect"}))
+    wait_until(lambda: effect_ids(effects) == ["late"], timeout=60)
+    daemon.stop()
+    assert daemon.proc.returncode == 0

@@ -1,6 +1,7 @@
 """NATS JetStream through nats-py (the NATS maintainers' asyncio client):
-the outbox publisher (publisher.py) and the inbox consumer (consumer.py),
-over connections opened as connection.py says.
+the outbox publisher (publishing.py) and the inbox consumer (consuming.py),
+over connections opened as connection.py says. (The modules are not named
+publisher and consumer: the factory's entry points below have those names.)
 
 What relay sets, and the streams and consumers it expects, is docs/nats.md.
 """
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 from relay.brokers import ConsumerOptions
 from relay.brokers.nats.connection import API_TIMEOUT, close, connect
-from relay.brokers.nats.consumer import NatsConsumer
-from relay.brokers.nats.publisher import NatsPublisher
+from relay.brokers.nats.consuming import NatsConsumer
+from relay.brokers.nats.publishing import NatsPublisher
 from relay.config import BrokerURL
 
 

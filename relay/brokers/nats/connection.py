@@ -20,6 +20,7 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.protocol import command as prot_command
 
 from relay.config import BrokerURL, redact_url
 from relay.errors import BrokerUnavailable, ConfigError
@@ -44,6 +45,9 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+_PLAIN = b"NATS/1.0\r\n"  # a header block without a status
+
+
 class RawHeaders(dict[str, str]):
     """nats-py's parsed headers, with the header block as received (`raw`)."""
 
@@ -58,13 +62,18 @@ class Client(NatsClient):
     and header values lossily; relay decodes both itself, from the bytes."""
 
     async def _process_headers(self, headers: Any) -> dict[str, str] | None:
-        try:
-            parsed = await super()._process_headers(headers)
-        except Exception:  # noqa: BLE001 - relay parses the raw block itself
-            parsed = None
         if not headers:
-            return parsed
-        found = RawHeaders(parsed or {})
+            return None
+        if headers.startswith(_PLAIN):
+            # No status: relay reads the block itself (NatsConsumer), so
+            # nats-py's parse of every message's headers is skipped.
+            found = RawHeaders()
+        else:  # a status (no responders, a pull request's end): nats-py's own reading
+            try:
+                parsed = await super()._process_headers(headers)
+            except Exception:  # noqa: BLE001 - relay parses the raw block itself
+                parsed = None
+            found = RawHeaders(parsed or {})
         found.raw = bytes(headers)
         return found
 
@@ -79,6 +88,21 @@ class Client(NatsClient):
             _client=self,
             _sid=sid,
         )
+
+    async def publish_block(self, subject: str, reply: str, header: bytes, payload: bytes) -> None:
+        """publish() with a header block the caller built and checked
+        (relay.brokers.nats.publishing.build_message): nothing parsed again,
+        nothing changed on the way (nats-py strips values and replaces line
+        breaks), and nothing buffered while the connection is away."""
+        if self.is_closed or not self.is_connected:
+            raise nats.errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        self.stats["out_msgs"] += 1
+        self.stats["out_bytes"] += len(payload)
+        await self._send_command(prot_command.hpub_cmd(subject, reply, header, payload))
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
 
 
 def tls_context(broker: BrokerURL) -> ssl.SSLContext | None:

@@ -312,8 +312,12 @@ class NatsConsumer:
             self._heard = loop.time()
             await client.publish(subject, orjson.dumps(request), reply=self._inbox)
             while not self._pull_done.is_set():
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can
+                # swallow a cancellation that comes as the event is set, and
+                # this loop would then outlive close().
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._pull_done.wait(), HEARTBEAT)
+                    async with asyncio.timeout(HEARTBEAT):
+                        await self._pull_done.wait()
                 if loop.time() - self._heard > HEARTBEAT_LOST and not self._pull_done.is_set():
                     raise BrokerUnavailable(
                         f"NATS at {where(self.broker)}: no message or heartbeat for "
@@ -421,7 +425,8 @@ class NatsConsumer:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         client = self._client
         if client is not None and client.is_connected and self._failure is None and self._held:
             # What was received and not stored is given back (-NAK) for

@@ -13,6 +13,7 @@ together.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import re
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import orjson
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 
 from relay.brokers import (
     Outcome,
@@ -47,10 +49,13 @@ MSG_ID = "Nats-Msg-Id"  # JetStream's duplicate window is keyed by it
 ACK_TIMEOUT = 10.0
 # JetStream's error codes (err_code) of a message the stream will never take.
 _TOO_LARGE = {10054}  # JSStreamMessageExceedsMaximumErr
-# A header line is `Name: Value\r\n`; the block starts `NATS/1.0\r\n`, ends `\r\n`.
+# A header line is `Name: Value\r\n`; the block starts `NATS/1.0\r\n`, ends `\r\n`;
+# a name is a token (RFC 7230, as nats-py checks it).
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_HEADER_BLOCK = len(b"NATS/1.0\r\n\r\n")
 _SUBJECT_SPACE = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
+_NO_RESPONDERS = Failure("no responders")
 
 
 @dataclass(slots=True)
@@ -60,17 +65,15 @@ class Message:
     subject: str
     data: bytes
     headers: dict[str, str]
+    header: bytes  # the header block as sent: `NATS/1.0`, `Name: Value` lines
 
     @property
     def size(self) -> int:
         """Data and header block, as the server counts them against max_payload."""
-        return (
-            len(self.data)
-            + _HEADER_BLOCK
-            + sum(len(n) + len(v.encode()) + 4 for n, v in self.headers.items())
-        )
+        return len(self.data) + len(self.header)
 
 
+@functools.lru_cache(maxsize=4096)  # a few topics, each checked once (a bad one raises again)
 def _check_subject(topic: str) -> None:
     if _SUBJECT_SPACE.search(topic) or any(token in ("", "*", ">") for token in topic.split(".")):
         raise BadMessage(
@@ -79,12 +82,15 @@ def _check_subject(topic: str) -> None:
         )
 
 
-def _check_header(name: str, value: str) -> None:
+def _check_name(name: str) -> None:
     if not _HEADER_NAME.fullmatch(name):
         raise BadMessage(
             f"header name {name[:100]!r} cannot be a NATS header (letters, digits and "
             "!#$%&'*+-.^_`|~ only)"
         )
+
+
+def _check_value(name: str, value: str) -> None:
     if "\r" in value or "\n" in value or value != value.strip():
         raise BadMessage(
             f"header {name!r}: a NATS header value cannot hold a line break or begin or "
@@ -98,24 +104,30 @@ def build_message(row: OutboxRow) -> Message:
     _check_subject(row.topic)
     own: dict[str, str] = {MSG_ID: row.id}
     if row.type:
+        _check_value("type", row.type)
         own["type"] = row.type
     if row.key is not None:
+        _check_value("key", row.key)
         own["key"] = row.key
     own["Content-Type"] = "application/json"
     for name, value in row.attributes:
-        own[name] = value if type(value) is str else str(value)
-    headers = dict(own)
+        text = value if type(value) is str else str(value)
+        _check_name(name)
+        _check_value(name, text)
+        own[name] = text
+    headers = own
     given = row_headers(row)
     if given:
         # relay's own headers win over the row's of the same name (a second
         # Nats-Msg-Id would change what the stream's duplicate window sees).
-        headers = {
-            **{name: value for name, value in given.items() if name not in own},
-            **own,
-        }
-    for name, value in headers.items():
-        _check_header(name, value)
-    return Message(row.topic, row_body(row), headers)
+        for name, value in given.items():
+            _check_name(name)
+            _check_value(name, value)
+        headers = {**{n: v for n, v in given.items() if n not in own}, **own}
+    block = b"NATS/1.0\r\n" + b"".join(
+        b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in headers.items()
+    )
+    return Message(row.topic, row_body(row), headers, block + b"\r\n")
 
 
 @dataclass(slots=True)
@@ -129,6 +141,7 @@ class _Batch:
     following: dict[str, deque[int]] = field(default_factory=dict)  # a key's later rows
     keys: dict[int, str] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    unanswered: dict[int, str] = field(default_factory=dict)  # no responders: row -> subject
 
 
 class NatsPublisher:
@@ -247,7 +260,35 @@ class NatsPublisher:
                 batch.keys[index] = key
                 batch.ready.append(index)
         await self._send(client, batch, messages)
+        if batch.unanswered:
+            await self._check_unanswered(client, batch)
         return batch.results
+
+    async def _check_unanswered(self, client: Client, batch: _Batch) -> None:
+        """ "No responders" is a failed attempt only when JetStream says that
+        no stream captures the subject. When one does, the stream did not
+        answer (a server still recovering its streams after a restart, a
+        stream's leader being elected): the row is released, no attempt."""
+        js = client.jetstream(timeout=API_TIMEOUT)
+        captured: dict[str, bool] = {}
+        for subject in set(batch.unanswered.values()):
+            try:
+                await js.find_stream_name_by_subject(subject)
+                captured[subject] = True
+            except NotFoundError:
+                captured[subject] = False
+            except Exception as exc:  # noqa: BLE001 - JetStream not answering either
+                log.debug("NATS: no stream lookup for %r: %s", subject, describe(exc))
+                captured[subject] = True
+        for index, subject in batch.unanswered.items():
+            if captured[subject]:
+                batch.results[index] = Outcome.RELEASE
+        waiting = [subject for subject, found in captured.items() if found]
+        if waiting:
+            log.warning(
+                "NATS: the stream capturing %s did not answer (starting?): sent again later",
+                ", ".join(map(repr, sorted(waiting))),
+            )
 
     async def _send(self, client: Client, batch: _Batch, messages: dict[int, Message]) -> None:
         loop = asyncio.get_running_loop()
@@ -264,11 +305,8 @@ class NatsPublisher:
                 self._waiting[token] = (batch, index, message.subject)
                 batch.outstanding += 1
                 try:
-                    await client.publish(
-                        message.subject,
-                        message.data,
-                        reply=f"{self._prefix}.{token}",
-                        headers=message.headers,
+                    await client.publish_block(
+                        message.subject, f"{self._prefix}.{token}", message.header, message.data
                     )
                 except Exception as exc:  # noqa: BLE001 - the connection, not the row
                     if self._waiting.pop(token, None) is not None:
@@ -281,7 +319,8 @@ class NatsPublisher:
                 break
             batch.changed.clear()
             try:
-                await asyncio.wait_for(batch.changed.wait(), deadline - loop.time())
+                async with asyncio.timeout(deadline - loop.time()):
+                    await batch.changed.wait()
             except TimeoutError:
                 self._expire(batch)
         released = all(r is Outcome.RELEASE for r in batch.results)
@@ -320,6 +359,12 @@ class NatsPublisher:
         batch, index, subject = found
         batch.outstanding -= 1
         result = self._result(msg, subject, batch.sizes.get(index, 0))
+        if result is _NO_RESPONDERS:
+            batch.unanswered[index] = subject
+            result = Failure(
+                f"no NATS stream captures subject {subject!r} (no responders); relay never "
+                "creates streams: add the subject to a stream"
+            )
         batch.results[index] = result
         key = batch.keys.get(index)
         if result is not None:
@@ -334,10 +379,7 @@ class NatsPublisher:
         headers = msg.headers or {}
         status = headers.get("Status")
         if status == "503":
-            return Failure(
-                f"no NATS stream captures subject {subject!r} (no responders); relay never "
-                "creates streams: add the subject to a stream"
-            )
+            return _NO_RESPONDERS  # made a Failure by the caller, checked after the batch
         if status:
             return Failure(f"NATS answered status {status} {headers.get('Description', '')}")
         try:
