@@ -391,12 +391,12 @@ def _depth(client: Any, queue_url: str) -> int:
 
 async def scenario_sqs_ref(res: Resources, sz: Sizes, report: Report) -> None:
     """relay's SQS outbox and inbox beside plain boto3 loops, one moto server."""
-    from relay.brokers import sqs
+    from relay.brokers import aws, sqs
     from relay.outbox import WORKERS
 
     count = sz.sqs_ref
     endpoint = await start_moto(res)
-    send_threads = WORKERS * sqs.LANES  # relay's publisher: each worker's batch in 8 lanes
+    send_threads = WORKERS * aws.LANES  # relay's publisher: each worker's batch in 8 lanes
     client = sqs_client(endpoint, send_threads + sqs.RECEIVERS + 8)
     loads = [loadavg()[0]]
     queues = {}

@@ -173,7 +173,7 @@ class SlotReader:
         if self.holding and self._conn is not None and not self._conn.closed:
             return True
         async with self._errors() as conn:
-            await conn.execute(f"SET lock_timeout = '{STANDBY_WAIT}'")
+            await conn.execute("SELECT set_config('lock_timeout', %s, false)", (STANDBY_WAIT,))
             try:
                 await conn.execute(pyformat(query("wal_reader_lock")), {"slot": self.slot})
             except pgerrors.LockNotAvailable:
