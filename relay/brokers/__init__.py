@@ -26,7 +26,7 @@ from typing import Any, Protocol, cast
 import orjson
 
 from relay.config import BrokerURL
-from relay.errors import BadMessage
+from relay.errors import BadMessage, BrokerUnavailable
 from relay.limits import MAX_JSON_DEPTH, json_depth
 from relay.rows import Failure, OutboxRow
 
@@ -189,6 +189,42 @@ async def take_batch(
         except TimeoutError:
             break
     return batch
+
+
+class Buffered(Protocol):
+    """A consumer whose receiving thread or task fills `_buffer` (setting
+    `_arrived`) and records in `_failure` why it stopped."""
+
+    _buffer: deque[Incoming]
+    _arrived: asyncio.Event
+    _failure: BaseException | None
+
+    async def connect(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+async def buffered_batches(
+    consumer: Buffered, what: str, max_size: int, max_wait: float
+) -> AsyncGenerator[list[Incoming], None]:
+    """A buffered consumer's `batches`: (re)connect, yield what `take_batch`
+    gathers; once the receiving side failed, close and raise BrokerUnavailable
+    (the failure itself, or one saying `what` stopped and why)."""
+
+    def failed() -> bool:
+        return consumer._failure is not None
+
+    while True:
+        await consumer.connect()
+        batch = await take_batch(consumer._buffer, consumer._arrived, failed, max_size, max_wait)
+        if batch:
+            yield batch  # any failure shows on the next round
+            continue
+        failure = consumer._failure
+        await consumer.close()
+        if isinstance(failure, BrokerUnavailable):
+            raise failure
+        raise BrokerUnavailable(f"{what} stopped: {failure!r}") from failure
 
 
 def row_headers(row: OutboxRow) -> dict[str, str]:

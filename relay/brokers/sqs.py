@@ -27,7 +27,7 @@ from typing import Any
 import botocore.exceptions as bce
 import orjson
 
-from relay.brokers import ConsumerOptions, Incoming, aws, take_batch
+from relay.brokers import ConsumerOptions, Incoming, aws, buffered_batches
 from relay.brokers.aws import (
     ACCESS_DENIED,
     BATCH_ENTRIES,
@@ -380,21 +380,8 @@ class SqsConsumer(_Sqs):
             abandoned.set()
             raise
 
-    def _failed(self) -> bool:
-        return self._failure is not None
-
-    async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
-        while True:
-            await self.connect()
-            batch = await take_batch(self._buffer, self._arrived, self._failed, max_size, max_wait)
-            if batch:
-                yield batch  # any failure shows on the next round
-                continue
-            failure = self._failure
-            await self.close()
-            if isinstance(failure, BrokerUnavailable):
-                raise failure
-            raise BrokerUnavailable(f"SQS receiver stopped: {failure!r}") from failure
+    def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
+        return buffered_batches(self, "SQS receiver", max_size, max_wait)
 
     async def ack(self, batch: Sequence[Incoming]) -> None:
         if not batch:

@@ -30,7 +30,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from relay.brokers import Incoming, take_batch
+from relay.brokers import Incoming, buffered_batches
 from relay.brokers.nats.connection import (
     API_TIMEOUT,
     Client,
@@ -390,21 +390,8 @@ class NatsConsumer:
 
     # -- the receiver's side ------------------------------------------------------
 
-    def _failed(self) -> bool:
-        return self._failure is not None
-
-    async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
-        while True:
-            await self.connect()
-            batch = await take_batch(self._buffer, self._arrived, self._failed, max_size, max_wait)
-            if batch:
-                yield batch
-                continue
-            failure = self._failure
-            await self.close()
-            if isinstance(failure, BrokerUnavailable):
-                raise failure
-            raise BrokerUnavailable(f"NATS consumer stopped: {failure!r}") from failure
+    def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
+        return buffered_batches(self, "NATS consumer", max_size, max_wait)
 
     async def ack(self, batch: Sequence[Incoming]) -> None:
         """The batch's rows are committed: each message acknowledged (+ACK)."""

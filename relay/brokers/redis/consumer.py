@@ -32,7 +32,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 
-from relay.brokers import Incoming, take_batch
+from relay.brokers import Incoming, buffered_batches
 from relay.brokers.redis.client import FAILED, describe, make_client, where
 from relay.config import BrokerURL
 from relay.errors import BrokerUnavailable, ConfigError
@@ -300,9 +300,6 @@ class RedisConsumer:
             log.warning("%s", exc)
         self._arrived.set()
 
-    def _failed(self) -> bool:
-        return self._failure is not None
-
     def _count(self, most: int) -> int:
         """How many entries to ask for: the room left, by count and by bytes
         at the size entries had so far (one, before any was seen)."""
@@ -448,18 +445,8 @@ class RedisConsumer:
 
     # -- the receiver's side -------------------------------------------------------
 
-    async def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
-        while True:
-            await self.connect()
-            batch = await take_batch(self._buffer, self._arrived, self._failed, max_size, max_wait)
-            if batch:
-                yield batch  # any failure shows on the next round
-                continue
-            failure = self._failure
-            await self.close()
-            if isinstance(failure, BrokerUnavailable):
-                raise failure
-            raise BrokerUnavailable(f"Redis consumer stopped: {failure!r}") from failure
+    def batches(self, max_size: int, max_wait: float) -> AsyncGenerator[list[Incoming], None]:
+        return buffered_batches(self, "Redis consumer", max_size, max_wait)
 
     async def ack(self, batch: Sequence[Incoming]) -> None:
         """XACK the batch's entries (their rows are committed)."""
