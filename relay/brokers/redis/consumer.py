@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import operator
 import os
 import secrets
 import socket
@@ -52,8 +53,8 @@ RELEASED_IDLE_MS = 10**12
 OWN_FIELDS = frozenset({"id", "message_id", "type", "key", "payload", "headers"})
 
 
-def _text(value: bytes) -> str:
-    return value.decode("utf-8", "surrogateescape")
+# bytes -> str, invalid UTF-8 as surrogate escapes; a C-level call (map).
+_text = operator.methodcaller("decode", "utf-8", "surrogateescape")
 
 
 class Token(NamedTuple):
@@ -83,14 +84,18 @@ def to_incoming(token: Token, pairs: Sequence[bytes]) -> Incoming:
     """An entry (its fields as XREADGROUP gives them: name, value, …) as the
     inbox sees it: the contract's mapping. Names and values are decoded
     leniently (invalid UTF-8 as surrogate escapes, which relay.storable keeps
-    in a dead row with the reason); a repeated name: its last value."""
-    fields = {_text(pairs[i]): _text(pairs[i + 1]) for i in range(0, len(pairs) - 1, 2)}
+    in a dead row with the reason); a repeated name: its last value. The
+    payload is the row's body as received, never decoded."""
+    pairing = iter(pairs)
+    raw = dict(zip(pairing, pairing, strict=False))  # an odd last name: no value, dropped
+    payload = raw.pop(b"payload", None)
+    fields = dict(zip(map(_text, raw), map(_text, raw.values()), strict=True))
     headers: dict[str, Any] = {}
     undecodable = None
     given = fields.get("headers")
     if given is not None:
         try:
-            parsed = orjson.loads(given.encode("utf-8", "surrogateescape"))
+            parsed = orjson.loads(raw[b"headers"])
         except orjson.JSONDecodeError as exc:
             parsed, why = None, f"it is not JSON ({exc})"
         else:
@@ -100,9 +105,8 @@ def to_incoming(token: Token, pairs: Sequence[bytes]) -> Incoming:
         else:
             undecodable = f"the field headers must be a JSON object: {why}"
             headers["headers"] = given
-    payload = fields.get("payload")
     if payload is not None:
-        body = payload.encode("utf-8", "surrogateescape")
+        body = payload
         headers.update((n, v) for n, v in fields.items() if n not in OWN_FIELDS)
     else:
         body = _fields_body(fields)
@@ -148,7 +152,7 @@ def unreadable(token: Token, why: str) -> Incoming:
 
 
 def _size(pairs: Sequence[bytes]) -> int:
-    return sum(len(part) for part in pairs)
+    return sum(map(len, pairs))
 
 
 def _raw(response: Any, **options: Any) -> Any:
