@@ -42,6 +42,7 @@ from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, Lead, LeadGate, Pace
 from relay.receiving import Envelope, Receiver, Report, Stage
+from relay.runtime import tune_gc
 
 log = logging.getLogger("relay.inbox")
 
@@ -412,6 +413,7 @@ def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     use_password_command(os.environ.get("RELAY_DATABASE_PASSWORD_COMMAND") or None)
+    tune_gc()
     try:
         code = asyncio.run(_child(fd))
     except Exception:

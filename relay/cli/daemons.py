@@ -23,6 +23,7 @@ from relay.cli.base import (
     with_common,
 )
 from relay.errors import ConfigError
+from relay.runtime import tune_gc
 
 
 def daemon_options(f: F, *, several: bool = False) -> F:
@@ -203,6 +204,7 @@ def outbox(once: bool, **kwargs: Any) -> None:
         schema=first.schema,
         **daemon_settings(kwargs),
     )
+    tune_gc()
     if len(sources) == 1 and path is None:
         sys.exit(run_coro(serve_outbox(settings, once=once)))
     if settings.capture == "wal":
@@ -295,4 +297,5 @@ def inbox(**kwargs: Any) -> None:
     specs = tuple(kwargs.pop("handlers"))
     settings = build(config.InboxSettings, **daemon_settings(kwargs))
     registry = build(load, specs=specs)
+    tune_gc()
     sys.exit(run_coro(serve_inbox(settings, registry)))
