@@ -89,6 +89,9 @@ class WalCapture:
         self.stale_after = max(2 * poll_interval, STALE_AFTER)
         self._wakeup = asyncio.Event()
         self._lag_at = -float("inf")
+        # Whether this process has read the slot: one it then has to make
+        # again was lost (and is logged so, once).
+        self._had_slot = False
         relay.poll_due = self.claims_due
         reader.on_commit = self.wake  # the stream brought a commit (or ended)
 
@@ -145,6 +148,7 @@ class WalCapture:
                 )
                 if isinstance(exc, SlotUnreadable):
                     await self.reader.drop()
+                self._had_slot = False  # said: not again when it is made
                 self._stand_by()
             except BrokerUnavailable as exc:
                 # The rows read stay pending, the slot before them; the
@@ -170,6 +174,16 @@ class WalCapture:
         the claim drain what the table holds (rows committed before the
         slot's position, or while no one read it)."""
         made = await self.reader.prepare()
+        if made and self._had_slot:
+            # Gone between two reads (dropped while the stream was down, or
+            # with it): no read failed on its absence, so it is said here.
+            log.warning(
+                "replication slot %s lost (gone when reading resumed): "
+                "draining the table, making it again",
+                self.reader.slot,
+                extra={"action": "slot_lost"},
+            )
+        self._had_slot = True
         self.reading = True
         self._owe()
         self._inflight.clear()
