@@ -432,6 +432,24 @@ class Proc:
 # --------------------------------------------------------------------------
 
 
+async def apply_schema(url: str) -> None:
+    """`relay schema apply` on the database at `url`; BenchError if it fails."""
+    proc = await asyncio.create_subprocess_exec(
+        *relay_command(),
+        "schema",
+        "apply",
+        "--database-url",
+        url,
+        env=relay_env(),
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise BenchError(f"relay schema apply failed ({proc.returncode}): {out.decode()}")
+
+
 class Resources:
     """Databases, exchanges, queues and processes of one scenario; close()
     removes them all, whatever happened."""
@@ -455,20 +473,7 @@ class Resources:
             await conn.execute(f'CREATE DATABASE "{name}"')
         self.databases.append(name)
         url = db_url(name)
-        proc = await asyncio.create_subprocess_exec(
-            *relay_command(),
-            "schema",
-            "apply",
-            "--database-url",
-            url,
-            env=relay_env(),
-            cwd=REPO,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        out, _ = await proc.communicate()
-        if proc.returncode != 0:
-            raise BenchError(f"relay schema apply failed ({proc.returncode}): {out.decode()}")
+        await apply_schema(url)
         return url
 
     async def drop_database(self, url: str) -> None:

@@ -36,8 +36,8 @@ from bench.common import (
     AMQP_URL,
     PAYLOAD_SQL,
     REPO,
-    BenchError,
     Proc,
+    apply_schema,
     descendants,
     relay_command,
     relay_env,
@@ -73,20 +73,7 @@ async def make_database(server_url: str) -> str:
     name = f"bench_wal_{uuid.uuid4().hex[:8]}"
     await execute(f"{server_url}/postgres", f'CREATE DATABASE "{name}"')
     url = f"{server_url}/{name}"
-    proc = await asyncio.create_subprocess_exec(
-        *relay_command(),
-        "schema",
-        "apply",
-        "--database-url",
-        url,
-        env=relay_env(),
-        cwd=REPO,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
-    if proc.returncode != 0:
-        raise BenchError(f"relay schema apply failed: {out.decode()}")
+    await apply_schema(url)
     return url
 
 
