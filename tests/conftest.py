@@ -449,6 +449,25 @@ HANDLERS = "tests.apps.handlers:registry"  # sync handlers: psycopg's blocking c
 MIXED_HANDLERS = "tests.apps.handlers:mixed_registry"  # with async ones: the async engine
 
 
+def inbox_args(queue: str, *extra: str) -> list[str]:
+    """`relay inbox` on `queue` with the test handlers, polling and backing
+    off fast (the broker's URL comes from the environment)."""
+    return [
+        "inbox",
+        "--queue",
+        queue,
+        "--handlers",
+        HANDLERS,
+        "--poll-interval",
+        "0.5",
+        "--backoff-min",
+        "0.2",
+        "--backoff-max",
+        "0.5",
+        *extra,
+    ]
+
+
 @pytest.fixture
 def effects(engine: sa.Engine) -> sa.Engine:
     """The test database with the handlers' `effects` table."""

@@ -17,25 +17,8 @@ from hypothesis import strategies as st
 
 import relay
 from tests import kafka_raw
-from tests.conftest import HANDLERS, effect_ids, free_port, rows, wait_until
+from tests.conftest import effect_ids, free_port, inbox_args, rows, wait_until
 from tests.kafka_server import Kafka
-
-
-def inbox_args(kafka: Kafka, topic: str, *extra: str) -> list[str]:
-    return [
-        "inbox",
-        "--queue",
-        topic,
-        "--handlers",
-        HANDLERS,
-        "--poll-interval",
-        "0.5",
-        "--backoff-min",
-        "0.2",
-        "--backoff-max",
-        "0.5",
-        *extra,
-    ]
 
 
 def test_a_record_too_large_is_dead_at_once_with_its_size_and_the_limit(
@@ -98,7 +81,7 @@ def test_hostile_records_are_dead_rows_their_offsets_committed_and_the_canaries_
         )
     kafka.produce(topic, b'{"n": 9}', headers=[("type", b"Effect")], flush=False)  # no id
     kafka.flush()
-    daemon = start_relay(*inbox_args(kafka, topic), env={"RELAY_BROKER_URL": kafka.url()})
+    daemon = start_relay(*inbox_args(topic), env={"RELAY_BROKER_URL": kafka.url()})
     total = 2 * len(HOSTILE) + 1
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) == total, timeout=60)
     wait_until(lambda: len(effect_ids(effects)) == len(HOSTILE) + 1, timeout=30)
@@ -131,7 +114,7 @@ def test_records_no_client_library_writes_are_dead_rows_and_the_next_is_handled(
         (None, b'{"canary": 2}', [(b"id", b"raw-canary-2"), (b"type", b"Effect")]),
     ]
     assert kafka_raw.produce(kafka.bootstrap, topic, records) == 0
-    daemon = start_relay(*inbox_args(kafka, topic), env={"RELAY_BROKER_URL": kafka.url()})
+    daemon = start_relay(*inbox_args(topic), env={"RELAY_BROKER_URL": kafka.url()})
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) == len(records), timeout=60)
     wait_until(lambda: sorted(effect_ids(effects)) == ["raw-canary-1", "raw-canary-2"], timeout=30)
     got = {
@@ -175,7 +158,7 @@ def test_any_record_written_byte_by_byte_becomes_exactly_one_row(
     value (null, not JSON, too deep), any header names and values (not UTF-8,
     NUL): each one row, every offset committed, the daemon running."""
     topic = kafka.topic("generated")
-    daemon = start_relay(*inbox_args(kafka, topic), env={"RELAY_BROKER_URL": kafka.url()})
+    daemon = start_relay(*inbox_args(topic), env={"RELAY_BROKER_URL": kafka.url()})
     sent = 0
 
     @settings(
@@ -218,7 +201,7 @@ def test_a_redelivered_record_is_a_duplicate(effects: sa.Engine, kafka: Kafka, s
     topic = kafka.topic("dup")
     for n in range(3):
         kafka.produce(topic, b'{"n": %d}' % n, headers=[("id", b"same"), ("type", b"Effect")])
-    daemon = start_relay(*inbox_args(kafka, topic), env={"RELAY_BROKER_URL": kafka.url()})
+    daemon = start_relay(*inbox_args(topic), env={"RELAY_BROKER_URL": kafka.url()})
     wait_until(lambda: kafka.committed(topic, topic) == {0: 3}, timeout=60)
     wait_until(lambda: effect_ids(effects) == ["same"], timeout=30)
     assert rows(effects, "SELECT message_id, status FROM inbox") == [("same", "processed")]
@@ -241,8 +224,8 @@ def test_two_inboxes_share_the_partitions_and_a_kill_9_loses_nothing(
         )
     kafka.flush()
     env = {"RELAY_BROKER_URL": kafka.url()}
-    first = start_relay(*inbox_args(kafka, topic, "--batch-size", "20"), env=env)
-    second = start_relay(*inbox_args(kafka, topic, "--batch-size", "20"), env=env)
+    first = start_relay(*inbox_args(topic, "--batch-size", "20"), env=env)
+    second = start_relay(*inbox_args(topic, "--batch-size", "20"), env=env)
     first.wait_for_log("assigned", timeout=60)
     second.wait_for_log("assigned", timeout=60)
     wait_until(lambda: len(rows(effects, "SELECT 1 FROM inbox")) > total // 10, timeout=60)
@@ -273,7 +256,7 @@ def test_batch_handlers_and_the_lag_metric(effects: sa.Engine, kafka: Kafka, sta
     kafka.flush()
     port = free_port()
     daemon = start_relay(
-        *inbox_args(kafka, topic, "--http-port", str(port)), env={"RELAY_BROKER_URL": kafka.url()}
+        *inbox_args(topic, "--http-port", str(port)), env={"RELAY_BROKER_URL": kafka.url()}
     )
     wait_until(lambda: len(effect_ids(effects)) == 50, timeout=60)
     assert sorted(effect_ids(effects)) == sorted(f"b-{n}" for n in range(50))
@@ -386,9 +369,7 @@ def test_one_inbox_reads_several_topics_as_the_first_ones_group(
     first, second = kafka.topic("first"), kafka.topic("second", 2)
     kafka.produce(first, b'{"n": 1}', headers=[("id", b"t-1"), ("type", b"Effect")])
     kafka.produce(second, b'{"n": 2}', key=b"k", headers=[("id", b"t-2"), ("type", b"Effect")])
-    daemon = start_relay(
-        *inbox_args(kafka, f"{first},{second}"), env={"RELAY_BROKER_URL": kafka.url()}
-    )
+    daemon = start_relay(*inbox_args(f"{first},{second}"), env={"RELAY_BROKER_URL": kafka.url()})
     wait_until(lambda: sorted(effect_ids(effects)) == ["t-1", "t-2"], timeout=60)
     assert {r[0] for r in rows(effects, "SELECT DISTINCT consumer FROM inbox")} == {first}
     wait_until(lambda: kafka.committed(first, first) == {0: 1}, timeout=30)

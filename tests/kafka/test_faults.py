@@ -23,30 +23,13 @@ import pytest
 import sqlalchemy as sa
 
 import relay
-from tests.conftest import HANDLERS, free_port, rows, wait_until
+from tests.conftest import free_port, inbox_args, rows, wait_until
 from tests.kafka_server import Kafka, KafkaServer
 from tests.sqs_server import REGION, sqs_server  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(300)
 
 KEYS = 7
-
-
-def inbox_args(topic: str, *extra: str) -> list[str]:
-    return [
-        "inbox",
-        "--queue",
-        topic,
-        "--handlers",
-        HANDLERS,
-        "--poll-interval",
-        "0.5",
-        "--backoff-min",
-        "0.2",
-        "--backoff-max",
-        "0.5",
-        *extra,
-    ]
 
 
 class Writer:

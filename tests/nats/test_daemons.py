@@ -19,27 +19,10 @@ from hypothesis import strategies as st
 from nats.js.api import AckPolicy, DeliverPolicy
 
 import relay
-from tests.conftest import HANDLERS, effect_ids, free_port, rows, wait_until
+from tests.conftest import effect_ids, free_port, inbox_args, rows, wait_until
 from tests.nats_server import Nats
 
 ACK_WAIT = 3.0  # the tests' consumers: what a killed inbox held comes back in seconds
-
-
-def inbox_args(stream: str, *extra: str) -> list[str]:
-    return [
-        "inbox",
-        "--queue",
-        stream,
-        "--handlers",
-        HANDLERS,
-        "--poll-interval",
-        "0.5",
-        "--backoff-min",
-        "0.2",
-        "--backoff-max",
-        "0.5",
-        *extra,
-    ]
 
 
 def published(engine: sa.Engine) -> int:

@@ -20,27 +20,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import relay
-from tests.conftest import HANDLERS, effect_ids, free_port, rows, wait_until
+from tests.conftest import effect_ids, free_port, inbox_args, rows, wait_until
 from tests.redis_server import Redis, RedisServer
 
 Fields = list[tuple[bytes, bytes]]
-
-
-def inbox_args(stream: str, *extra: str) -> list[str]:
-    return [
-        "inbox",
-        "--queue",
-        stream,
-        "--handlers",
-        HANDLERS,
-        "--poll-interval",
-        "0.5",
-        "--backoff-min",
-        "0.2",
-        "--backoff-max",
-        "0.5",
-        *extra,
-    ]
 
 
 def env_of(redis: Redis | RedisServer) -> dict[str, str]:
