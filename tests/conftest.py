@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,19 @@ def insert_outbox(
 # --------------------------------------------------------------------------
 # RabbitMQ: unique exchange and queue names per test, deleted afterwards
 # --------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    """A message read back from the broker, the same shape for every broker
+    (tests/brokers, tests/e2e/test_brokers.py); `raw`: the client's own object."""
+
+    body: bytes
+    message_id: str | None
+    type: str | None
+    key: str | None
+    headers: dict[str, Any]
+    raw: Any = field(repr=False, default=None)
 
 
 class Rabbit:

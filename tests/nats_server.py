@@ -185,6 +185,22 @@ class Nats:
 
         return await self._with_client(send)
 
+    async def send(
+        self,
+        stream: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """A message to `stream` (its subject STREAM.x) with relay's headers
+        where given (`Nats-Msg-Id`, `type`, `key`), as a producer sends it."""
+        pairs = {"Nats-Msg-Id": message_id, "type": type, "key": key, **(headers or {})}
+        given = {n: v for n, v in pairs.items() if v is not None}
+        await self.publish(f"{stream}.x", body, headers=given or None)
+
     async def publish_many(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
         """Messages as nats-py sends them, 256 acknowledgements awaited at once."""
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
@@ -26,25 +25,13 @@ from relay.brokers import Consumer, Publisher, make_consumer, make_publisher
 from relay.brokers.memory import MemoryBroker, Message
 from relay.config import BrokerURL
 from relay.outbox import WORKERS
-from tests.conftest import AMQP_URL, Rabbit
+from tests.conftest import AMQP_URL, Rabbit, Received
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
 from tests.nats_server import Nats, nats_helper, nats_server  # noqa: F401 - fixtures
 from tests.proxy import Proxy
 from tests.redis_server import Redis, redis_server, redis_streams  # noqa: F401 - fixtures
 from tests.sns_server import Sns, sns  # noqa: F401 - fixture
 from tests.sqs_server import REGION, Sqs, sqs, sqs_server  # noqa: F401 - fixtures
-
-
-@dataclass
-class Received:
-    """A message read back from the broker, the same shape for every broker."""
-
-    body: bytes
-    message_id: str | None
-    type: str | None
-    key: str | None
-    headers: dict[str, Any]
-    raw: Any = field(repr=False, default=None)
 
 
 class MemoryPort:
@@ -665,9 +652,9 @@ class NatsPort:
         key: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        pairs = {"Nats-Msg-Id": message_id, "type": type, "key": key, **(headers or {})}
-        given = {n: v for n, v in pairs.items() if v is not None}
-        await self.nats.publish(f"{queue}.x", body, headers=given or None)
+        await self.nats.send(
+            queue, body, message_id=message_id, type=type, key=key, headers=headers
+        )
 
     def fallback_type(self, queue: str) -> str:
         return f"{queue}.x"  # the subject

@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -25,24 +24,21 @@ import pytest
 
 import relay
 from relay.outbox import WORKERS
-from tests.conftest import AMQP_URL, HANDLERS, Rabbit, effect_ids, insert_outbox, rows, wait_until
+from tests.conftest import (
+    AMQP_URL,
+    HANDLERS,
+    Rabbit,
+    Received,
+    effect_ids,
+    insert_outbox,
+    rows,
+    wait_until,
+)
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
 from tests.nats_server import Nats, nats_helper, nats_server  # noqa: F401 - fixtures
 from tests.redis_server import Redis, redis_server, redis_streams  # noqa: F401 - fixtures
 from tests.sqs_server import Sqs, sqs, sqs_server  # noqa: F401 - fixtures
 from tests.waits import wait_while_progressing
-
-
-@dataclass
-class Received:
-    """A message read back from the broker, the same shape for every broker."""
-
-    body: bytes
-    message_id: str | None
-    type: str | None
-    key: str | None
-    headers: dict[str, Any]
-    raw: Any = field(repr=False)
 
 
 class AmqpCollector:
@@ -585,9 +581,9 @@ class NatsBroker:
         key: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        pairs = {"Nats-Msg-Id": message_id, "type": type, "key": key, **(headers or {})}
-        given = {n: v for n, v in pairs.items() if v is not None}
-        await self.nats.publish(f"{queue}.x", body, headers=given or None)
+        await self.nats.send(
+            queue, body, message_id=message_id, type=type, key=key, headers=headers
+        )
 
     async def send_many(self, queue: str, messages: list[tuple[bytes, str]], type: str) -> None:
         await self.nats.publish_many(
