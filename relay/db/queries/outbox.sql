@@ -55,6 +55,14 @@ WITH low AS MATERIALIZED (
           >= (CAST(:worker AS bigint) << 31) / :workers
       AND (hashtext(coalesce(o.key, o.id::text)) & 2147483647)
           < ((CAST(:worker AS bigint) + 1) << 31) / :workers
+{tail}
+
+-- name: outbox_claim_tail
+-- The claims' common end (outbox_claim, outbox_claim_ids: their `{tail}`,
+-- after the conditions of their own): the due rows whose key has no earlier
+-- row held back, locked in seq order; then the locked rows measured against
+-- the byte budget, and whether each is blocked behind an earlier pending
+-- row of its key held elsewhere.
       AND o.available_at <= now()
       AND (o.key IS NULL OR (
           NOT EXISTS (
@@ -66,12 +74,6 @@ WITH low AS MATERIALIZED (
     ORDER BY o.seq
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
-{tail}
-
--- name: outbox_claim_tail
--- The claims' common end (outbox_claim, outbox_claim_ids: their `{tail}`):
--- the locked rows measured against the byte budget, and whether each is
--- blocked behind an earlier pending row of its key held elsewhere.
 ), stored AS (
     SELECT l.*, sum(pg_column_size(l.payload)) OVER w - pg_column_size(l.payload) AS before,
            row_number() OVER w AS rn
@@ -110,17 +112,6 @@ WITH low AS MATERIALIZED (
     WHERE current_setting('relay.shares_busy', true) IS DISTINCT FROM 'true'
       AND o.id = ANY(CAST(:ids AS uuid[]))
       AND o.status = 'pending'
-      AND o.available_at <= now()
-      AND (o.key IS NULL OR (
-          NOT EXISTS (
-              SELECT 1 FROM outbox e
-              WHERE e.key = o.key AND e.seq >= (SELECT seq FROM low) AND e.seq < o.seq
-                AND e.status <> 'published' AND e.status <> 'dead'
-                AND (e.available_at > now() OR e.attempts > 0))
-          {dead}))
-    ORDER BY o.seq
-    LIMIT :limit
-    FOR UPDATE SKIP LOCKED
 {tail}
 
 -- name: outbox_share_wait
