@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -461,6 +462,28 @@ async def until(
 
 HANDLERS = "tests.apps.handlers:registry"  # sync handlers: psycopg's blocking connection
 MIXED_HANDLERS = "tests.apps.handlers:mixed_registry"  # with async ones: the async engine
+
+
+def quick_bench(tmp_path: Path, *scenarios: str) -> dict[str, set[str]]:
+    """`python -m bench.run --quick --only SCENARIOS`, which must exit 0 with
+    no scenario in error: the figures' names it recorded, by scenario."""
+    out = tmp_path / "bench.json"
+    only = ",".join(scenarios)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--only", only, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    figures: dict[str, set[str]] = {name: set() for name in scenarios}
+    for name in scenarios:
+        assert "error" not in report["scenarios"][name], report["scenarios"][name]
+    for figure in report["figures"]:
+        figures.setdefault(figure["scenario"], set()).add(figure["figure"])
+    return figures
 
 
 def inbox_args(queue: str, *extra: str) -> list[str]:

@@ -1,32 +1,17 @@
-"""The Redis Streams benchmark scenario (bench/redis_streams.py, run only
-with --only) at smoke size, so it cannot rot: it delivers every message.
-Figures are not judged here (no timed assertions)."""
+"""The Redis Streams benchmark scenario (bench/redis_streams.py, run only with --only) at
+smoke size, so it cannot rot: it delivers every message. Figures are not
+judged here (no timed assertions)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import quick_bench
 
 
 @pytest.mark.timeout(420)
 def test_the_redis_benchmark_runs_at_smoke_size(tmp_path):
-    out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", "--only", "redis", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert "error" not in report["scenarios"]["redis"], report["scenarios"]["redis"]
-    figures = {f["figure"] for f in report["figures"] if f["scenario"] == "redis"}
+    figures = quick_bench(tmp_path, "redis")["redis"]
     assert {"pg", "redis", "floor", "outbox", "outbox_over_floor", "inbox_batch_over_drain"} <= (
         figures
     )
