@@ -30,8 +30,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.brokers.test_rabbit import OWN_NODE_TESTS, OwnNode, own_node  # noqa: F401 - fixture
-from tests.conftest import REPO, free_port, pg_url, rows, wait_until
-from tests.kafka.test_daemons import inbox_args
+from tests.conftest import REPO, free_port, inbox_args, pg_url, rows, wait_until
 from tests.kafka_server import Kafka, kafka, kafka_server  # noqa: F401 - fixtures
 from tests.proxy import Proxy, amqp_proxy, pg_proxy  # noqa: F401 - fixtures
 
@@ -522,7 +521,7 @@ def test_a_live_prometheus_sees_the_kafka_lag_grow_behind_hung_handlers(
     # dispatcher ahead of them (relay.pacing), so once every dispatcher
     # hangs the rest stays in Kafka, uncommitted.
     inbox = start_relay(
-        *inbox_args(kafka, topic, "--batch-size", "10", "--http-port", str(port)),
+        *inbox_args(topic, "--batch-size", "10", "--http-port", str(port)),
         env={"RELAY_BROKER_URL": kafka.url()},
     )
     inbox.wait_for_log("assigned", timeout=60)
