@@ -784,6 +784,10 @@ class InboxSettings(DaemonSettings):
     # Redis Streams: seconds an entry delivered to a consumer of the group
     # stays unacknowledged before another consumer claims it.
     claim_idle: float = 30.0
+    # received: handlers run in the transaction that stores the message
+    # (relay.inbox.Handing); stored: messages are stored, then handled by
+    # the dispatchers (docs/inbox.md).
+    dispatch: str = "received"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -829,6 +833,8 @@ class InboxSettings(DaemonSettings):
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
         _positive("claim-idle", self.claim_idle)
+        if self.dispatch not in ("received", "stored"):
+            raise ConfigError(f"invalid --dispatch {self.dispatch!r}: use received or stored")
 
 
 _INTEGER = re.compile(r"^[+-]?[0-9]+$")

@@ -94,7 +94,11 @@ class Refused(ContentError):
     """PostgreSQL refused a value of the batch: a data exception (SQLSTATE
     class 22: NUL characters, bad encodings, numbers out of range) or a
     program limit (class 54: an index entry too big). The message's fault,
-    not the connection's."""
+    not the connection's. `stored`: the ids of rows of the batch that were
+    stored all the same (the receiving transactions of its other keys,
+    relay.inbox.Handing)."""
+
+    stored: frozenset[str] = frozenset()
 
 
 # -- only a fresh process mends it ---------------------------------------------

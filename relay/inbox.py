@@ -14,10 +14,13 @@ connection: a sync handler blocks only its dispatcher.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 import traceback
+import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +29,7 @@ from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reco
 from relay.budget import Budget
 from relay.config import DEFAULT_BATCH_BYTES
 from relay.db import Store, connection_invalidated
-from relay.errors import HandlerHung, Unavailable
+from relay.errors import DatabaseUnavailable, HandlerHung, Refused, Unavailable
 from relay.handlers import (
     AnyHandler,
     BatchHandler,
@@ -39,7 +42,7 @@ from relay.handlers import (
 )
 from relay.metrics import InboxMetrics
 from relay.pacing import Pace
-from relay.rows import Failure, InboxRow
+from relay.rows import Failure, InboxRow, NewInboxRow
 from relay.workers import BLOCKED_RETRY, report_failure
 
 if TYPE_CHECKING:
@@ -139,8 +142,22 @@ class Dispatcher:
         self.in_hand: tuple[tuple[InboxRow, ...], float, int | None] | None = None
         # The batch's handler runs' seconds, for relay_inbox_handler_seconds.
         self.handler_times: list[float] = []
+        # --dispatch received: the receiver's batches of this dispatcher's
+        # share, each with the future its new ids go to, handed over from
+        # the daemon's event loop (DispatcherThread.submit), and handled
+        # before any claim; the one in hand, for the watchdog.
+        self.received: deque[tuple[Sequence[NewInboxRow], concurrent.futures.Future[set[str]]]]
+        self.received = deque()
+        self.receiving: Sequence[NewInboxRow] | None = None
+        # Whether wake() asked for a claim since the last one began.
+        self._woken = False
 
     def wake(self) -> None:
+        self._woken = True
+        self.wakeup.set()
+
+    def take(self) -> None:
+        """A received batch was handed over (self.received)."""
         self.wakeup.set()
 
     def stop(self) -> None:
@@ -204,10 +221,116 @@ class Dispatcher:
         held[:] = [0, used]
         if not rows:
             return [], [], {}, blocked
-        processed, failed = self._run_handlers(conn, async_conn, rows)
+        savepoints = self.store.handler_savepoints(conn, after_claim=True)
+        processed, failed = self._run_handlers(conn, async_conn, rows, savepoints)
+        savepoints.before_marks()
         self.store.mark_processed(conn, consumer, processed)
         statuses = self.store.mark_inbox_failed(conn, consumer, failed, self.max_attempts)
         return processed, failed, statuses, blocked
+
+    async def receive_batch(self, rows: Sequence[NewInboxRow]) -> set[str]:
+        """Store a received batch of this dispatcher's share and handle it in
+        the same transaction (--dispatch received); returns the ids of the
+        rows that were new. The rows whose key has a row waiting for the
+        dispatchers wait behind it, stored `pending`, and a row whose
+        handler fails is stored `pending` (or `dead`) with the attempt
+        counted, every later row of its key in the batch `pending` after
+        it: all are the dispatchers' from there, as on the stored path.
+        The transaction runs as a claimed batch's (see dispatch_batch)."""
+        try:
+            if self.store.sync_engine is not None:
+                with self.store.sync_transaction() as conn:
+                    outcome = self._receive(conn, None, rows)
+            else:
+                async with self.store.transaction() as async_conn:
+                    outcome = await async_conn.run_sync(self._receive, async_conn, rows)
+        finally:
+            self.receiving = None
+            self.metrics.handler_seconds.observe_all(self.handler_times)
+            self.handler_times.clear()
+        new, processed, failed, statuses = outcome
+        self._report(processed, failed, statuses, 0)
+        return new
+
+    def _receive(
+        self, conn: Any, async_conn: Any, rows: Sequence[NewInboxRow]
+    ) -> tuple[set[str], list[str], list[tuple[InboxRow, Failure, float]], dict[str, str]]:
+        consumer = self.consumer_name
+        stored = self.store.store_received(conn, consumer, rows, self._statuses(rows), self.on_dead)
+        handle: list[InboxRow] = []
+        waiting = 0
+        for row in rows:
+            status = stored.get(row.message_id)
+            if status == "processed":
+                handle.append(
+                    InboxRow(
+                        row.message_id, 0, row.topic, row.key, row.type, row.payload, row.headers, 0
+                    )
+                )
+            elif status == "pending":
+                waiting += 1
+        if not handle:
+            processed: list[str] = []
+            failed: list[tuple[InboxRow, Failure, float]] = []
+        else:
+            if len(handle) > len(stored):  # an id twice in the batch: its first row
+                firsts = {row.message_id: row for row in reversed(handle)}
+                handle = [row for row in handle if firsts[row.message_id] is row]
+            self.receiving = rows
+            savepoints = self.store.handler_savepoints(conn)
+            processed, failed = self._run_handlers(conn, async_conn, handle, savepoints)
+            if failed:
+                done = {row.message_id for row, _, _ in failed}.union(processed)
+                held = [row.message_id for row in handle if row.message_id not in done]
+                savepoints.before_marks()
+                self.store.hold_received(conn, consumer, held)
+                waiting += len(held) + len(failed)
+        statuses = self.store.mark_inbox_failed(conn, consumer, failed, self.max_attempts)
+        if waiting:
+            self.store.wake_dispatchers(conn)
+        return set(stored), processed, failed, statuses
+
+    def _statuses(self, rows: Sequence[NewInboxRow]) -> list[str]:
+        """The statuses the receiving transaction's rows are offered as:
+        `dead` as received, else `processed` (inbox_insert_received makes it
+        `pending` behind a row of the key waiting for the dispatchers), or
+        `pending` behind a row of the key stored dead earlier in the batch
+        under --on-dead block."""
+        if self.on_dead != "block":
+            return ["dead" if row.status == "dead" else "processed" for row in rows]
+        dead: set[str] = set()
+        statuses = []
+        for row in rows:
+            if row.status == "dead":
+                statuses.append("dead")
+                if row.key is not None:
+                    dead.add(row.key)
+            else:
+                statuses.append("pending" if row.key in dead else "processed")
+        return statuses
+
+    async def _receive_next(self) -> None:
+        """Handle the oldest batch handed over; its outcome to its future."""
+        rows, future = self.received.popleft()
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(await self.receive_batch(rows))
+        except Exception as exc:
+            if connection_invalidated(exc):
+                exc = DatabaseUnavailable(f"the connection was lost: {exc}")
+            future.set_exception(exc)
+        except BaseException as exc:
+            future.set_exception(DatabaseUnavailable("the inbox is stopping"))
+            raise exc
+        self.last_progress = time.monotonic()
+
+    def _refuse_received(self) -> None:
+        """Stopping: the batches not begun wait for the broker to deliver them again."""
+        while self.received:
+            _, future = self.received.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(DatabaseUnavailable("the inbox is stopping"))
 
     def _report(
         self,
@@ -236,10 +359,16 @@ class Dispatcher:
         return len(processed) + len(failed), blocked
 
     def _run_handlers(
-        self, conn: Any, async_conn: Any, rows: Sequence[InboxRow]
+        self,
+        conn: Any,
+        async_conn: Any,
+        rows: Sequence[InboxRow],
+        savepoints: HandlerSavepoints,
     ) -> tuple[list[str], list[tuple[InboxRow, Failure, float]]]:
-        """Run the handlers of a claimed batch on its transaction; returns the
-        ids of the rows handled and the failures.
+        """Run the handlers of a batch on its transaction (rows claimed, or
+        just stored by the receiving transaction), with `savepoints` of it;
+        returns the ids of the rows handled and the failures. The rows of a
+        key after one that failed are in neither: they did not run.
 
         Careful: each handler runs in a savepoint of its own, so that a
         failure rolls back only its own writes. But a savepoint costs a round
@@ -254,7 +383,6 @@ class Dispatcher:
         The rows of a type with a batch handler go to it in units (see
         relay.batches.plan), run in the order of their first rows; a unit
         that fails runs again carefully, in parts (_run_in_parts)."""
-        savepoints = self.store.handler_savepoints(conn, after_claim=True)
         pid = self.store.backend_pid(conn)
         careful = any(row.attempts for row in rows)
         processed: list[str] = []
@@ -368,7 +496,6 @@ class Dispatcher:
             at, kept_processed, kept_failed, failed_keys = checkpoint
             self.metrics.reruns.inc(len(processed) - kept_processed)
             del processed[kept_processed:], failed[kept_failed:]
-        savepoints.before_marks()
         return processed, failed
 
     def _fail(
@@ -563,33 +690,49 @@ class Dispatcher:
         return None
 
     async def run(self) -> None:
+        """Claim and handle batches until stopped; a received batch handed
+        over (--dispatch received) goes before the next claim. A claim
+        runs again at once after a full one, after BLOCKED_RETRY when its
+        rows waited on another dispatcher's, else when woken (a NOTIFY, the
+        receiver) or after the poll interval."""
         failures = 0
-        while not self.stopping.is_set():
-            self.wakeup.clear()
-            stored_before_claim = self.pace.stored_total if self.pace is not None else 0
-            try:
-                done, blocked = await self.dispatch_batch()
-                failures = 0
-            except Unavailable as exc:
-                failures += 1
-                await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
-                continue
-            except Exception as exc:
-                if not connection_invalidated(exc):
-                    raise
-                failures += 1
-                await sleep_unless(self.stopping, self.reconnect.delay(failures))
-                continue
-            self.last_progress = time.monotonic()
-            if self.pace is not None:
-                caught_up = done + blocked < self.batch_size and not self.stopped_short
-                self.pace.dispatched(self.worker, done, caught_up, stored_before_claim)
-            if done or self.stopped_short:
-                continue
-            if blocked:
-                await asyncio.sleep(BLOCKED_RETRY)
-                continue
-            await sleep_unless(self.wakeup, self.poll_interval)
+        claim_at = 0.0  # monotonic: when the next claim is due
+        try:
+            while not self.stopping.is_set():
+                if self.received:
+                    await self._receive_next()
+                    continue
+                now = time.monotonic()
+                if self._woken:
+                    claim_at = now
+                if now < claim_at:
+                    self.wakeup.clear()
+                    await sleep_unless(self.wakeup, claim_at - now)
+                    continue
+                self._woken = False
+                stored_before_claim = self.pace.stored_total if self.pace is not None else 0
+                try:
+                    done, blocked = await self.dispatch_batch()
+                    failures = 0
+                except Unavailable as exc:
+                    failures += 1
+                    await wait_to_reconnect(exc, failures, self.reconnect, self.stopping, log)
+                    continue
+                except Exception as exc:
+                    if not connection_invalidated(exc):
+                        raise
+                    failures += 1
+                    await sleep_unless(self.stopping, self.reconnect.delay(failures))
+                    continue
+                self.last_progress = time.monotonic()
+                if self.pace is not None:
+                    caught_up = done + blocked < self.batch_size and not self.stopped_short
+                    self.pace.dispatched(self.worker, done, caught_up, stored_before_claim)
+                if done or self.stopped_short:
+                    continue
+                claim_at = time.monotonic() + (BLOCKED_RETRY if blocked else self.poll_interval)
+        finally:
+            self._refuse_received()
 
 
 def _error_text(exc: BaseException) -> str:
@@ -606,6 +749,9 @@ class DispatcherThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dispatcher: Dispatcher | None = None
         self._stop_requested = False
+        # The received batches handed over (submit), the dispatcher's once it runs.
+        self.received: deque[tuple[Sequence[NewInboxRow], concurrent.futures.Future[set[str]]]]
+        self.received = deque()
 
     def _call(self, method: str) -> None:
         with self._lock:
@@ -615,6 +761,15 @@ class DispatcherThread:
     def wake(self) -> None:
         self._call("wake")
 
+    def submit(self, rows: Sequence[NewInboxRow]) -> concurrent.futures.Future[set[str]]:
+        """Hand a received batch to the dispatcher, to store and handle in
+        one transaction (Dispatcher.receive_batch); its future gets the ids
+        of the rows that were new, or the error."""
+        future: concurrent.futures.Future[set[str]] = concurrent.futures.Future()
+        self.received.append((rows, future))
+        self._call("take")
+        return future
+
     def stop(self) -> None:
         with self._lock:
             self._stop_requested = True
@@ -623,6 +778,7 @@ class DispatcherThread:
     def _main(self) -> None:
         async def body() -> None:
             store, dispatcher = self._make()
+            dispatcher.received = self.received
             with self._lock:
                 self._loop, self.dispatcher = asyncio.get_running_loop(), dispatcher
                 if self._stop_requested:
@@ -688,6 +844,7 @@ class DispatcherThread:
             await asyncio.sleep(WATCH_INTERVAL)
             dispatcher = self.dispatcher
             in_hand = dispatcher.in_hand if dispatcher is not None else None
+            receiving = dispatcher.receiving if dispatcher is not None else None
             if dispatcher is None or in_hand is None:
                 continue
             held, started, pid = in_hand
@@ -728,6 +885,7 @@ class DispatcherThread:
                     [(row, dispatcher.backoff.delay(row.attempts + 1)) for row in held],
                     error,
                     dispatcher.max_attempts,
+                    received=receiving or (),
                 )
             except Exception as exc:  # the restart is what matters; the count is best effort
                 log.error("could not record the hung handler's attempt: %r", exc)
@@ -737,3 +895,56 @@ class DispatcherThread:
             dispatcher.metrics.failed.inc(len(statuses))
             dispatcher.metrics.dead.inc(statuses.count("dead"))
             raise HandlerHung(error)
+
+
+class Handing:
+    """The receiver's writer under --dispatch received: each batch split by
+    key among the dispatchers, each part stored and handled in one
+    transaction on its dispatcher's connection (Dispatcher.receive_batch),
+    side by side; the receiver acknowledges the batch once every part is
+    committed, as after its own INSERT.
+
+    The split is by the key's CRC-32 (a keyless message's by its id), so
+    a batch's rows of a key are handled in one transaction, in order; the
+    keys' advisory locks (relay.db.store.key_lock) order the transactions
+    of the daemons that receive from one queue."""
+
+    def __init__(self, threads: Sequence[DispatcherThread]) -> None:
+        self.threads = threads
+
+    async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
+        """Store and handle `batch`; returns the ids that were new. Raises
+        Refused when PostgreSQL refused a value of a part (with the ids the
+        other parts stored), DatabaseUnavailable while it is away."""
+        count = len(self.threads)
+        parts: list[list[NewInboxRow]] = [[] for _ in range(count)]
+        for row in batch:
+            parts[_share(row, count)].append(row)
+        futures = [
+            asyncio.wrap_future(thread.submit(part))
+            for thread, part in zip(self.threads, parts, strict=True)
+            if part
+        ]
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        new: set[str] = set()
+        refused: Refused | None = None
+        for outcome in outcomes:
+            if isinstance(outcome, Refused):
+                refused = outcome
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                new |= outcome
+        if refused is not None:
+            refused.stored = frozenset(new)
+            raise refused
+        return new
+
+    async def close(self) -> None:
+        pass
+
+
+def _share(row: NewInboxRow, count: int) -> int:
+    """The dispatcher a received row goes to (Handing)."""
+    text = row.key if row.key is not None else row.message_id
+    return zlib.crc32(text.encode("utf-8", "surrogatepass")) % count

@@ -38,10 +38,9 @@ from relay import logs
 from relay.backoff import until_available
 from relay.brokers import Consumer, Reading
 from relay.db.connect import password_command, use_password_command
-from relay.db.writer import InboxWriter
 from relay.errors import ConfigError, ReceiverExited
 from relay.pacing import Gate, Lead, LeadGate, Pace
-from relay.receiving import Envelope, Receiver, Report, Stage
+from relay.receiving import Envelope, Receiver, Report, Stage, Writer
 from relay.runtime import tune_gc
 
 log = logging.getLogger("relay.inbox")
@@ -61,7 +60,7 @@ class ReceiverParts:
     functools.partial of them), and the values it uses."""
 
     consumer: Callable[[], Consumer]
-    writer: Callable[[], InboxWriter]
+    writer: Callable[[], Writer]  # relay.receiving.Writer
     stage: Callable[[], Stage] | None  # relay.receiving.Stage: the claim check's
     envelope: Envelope | None  # relay.receiving.Envelope: CloudEvents'
     consumer_name: str

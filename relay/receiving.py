@@ -19,7 +19,6 @@ from typing import Protocol
 
 from relay.backoff import reconnect_backoff, sleep_unless, until_available
 from relay.brokers import Consumer, Incoming
-from relay.db.writer import InboxWriter
 from relay.errors import Refused, Unavailable
 from relay.pacing import Gate
 from relay.rows import NewInboxRow
@@ -39,6 +38,18 @@ Report = Callable[[int, int, int, int, int], None]
 # rows should hold them (relay.cloudevents.received: an event's id, source,
 # type and attributes), each other message as it is.
 Envelope = Callable[[Sequence[Incoming]], list[Incoming]]
+
+
+class Writer(Protocol):
+    """Where the receiver's batches go: relay.db.writer.InboxWriter's one
+    INSERT (--dispatch stored), or relay.inbox.Handing's receiving
+    transactions, which handle the rows as they store them."""
+
+    async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
+        """Store the batch; the ids that were new. Raises Refused for a value
+        PostgreSQL will not take, Unavailable while the database is away."""
+
+    async def close(self) -> None: ...
 
 
 class Stage(Protocol):
@@ -82,7 +93,7 @@ class Receiver:
 
     def __init__(
         self,
-        writer: InboxWriter,
+        writer: Writer,
         consumer: Consumer,
         pace: Gate,
         report: Report,
@@ -228,9 +239,8 @@ class Receiver:
         consumer = self.consumer_name
         try:
             return await self.writer.insert(consumer, rows)
-        except Refused:
-            pass
-        new: set[str] = set()
+        except Refused as exc:
+            new = set(exc.stored)  # by other parts of the batch (Handing)
         for index, (message, row) in enumerate(zip(batch, rows, strict=True)):
             try:
                 new |= await self.writer.insert(consumer, [row])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -39,7 +40,7 @@ from relay.db import (
 from relay.db.connect import check_tls, libpq_url
 from relay.db.writer import InboxWriter
 from relay.handlers import HandlerRegistry, is_async
-from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread
+from relay.inbox import DISPATCHERS, HUNG_AFTER, Dispatcher, DispatcherThread, Handing
 from relay.lifecycle import STALL_AFTER, Daemon, Service, Started, run_together
 from relay.logs import with_log_context
 from relay.maintenance import run_scheduler
@@ -426,17 +427,10 @@ def inbox_service(
         if fetched:
             metrics.claim_checked.inc(fetched)
             metrics.claim_check_bytes.inc(fetched_bytes)
-        if new:
+        if new and not direct:
             pace.stored(new)
             wake_dispatcher()
 
-    parts = receiver_parts(settings, consumer)
-    receiver = (
-        ReceiverProcess(parts, pace, stored)
-        if receiver_process
-        else LocalReceiver(parts, pace, stored)
-    )
-    metrics.watch(receiver)  # the consumer's readings (relay_inbox_kafka_lag)
     # The dispatcher's batches run on psycopg's blocking connection unless a
     # handler is async (see Dispatcher.dispatch_batch).
     all_sync = not any(is_async(fn) for fn in registry.functions())
@@ -463,6 +457,19 @@ def inbox_service(
         )
 
     dispatchers = [make_dispatcher(worker) for worker in range(DISPATCHERS)]
+    direct = settings.dispatch == "received"
+    parts = receiver_parts(settings, consumer)
+    if direct:
+        # The receiver hands its batches to the dispatchers, which store and
+        # handle them: in this process (docs/inbox.md).
+        parts = dataclasses.replace(parts, writer=lambda: Handing(dispatchers))
+        receiver_process = False
+    receiver = (
+        ReceiverProcess(parts, pace, stored)
+        if receiver_process
+        else LocalReceiver(parts, pace, stored)
+    )
+    metrics.watch(receiver)  # the consumer's readings (relay_inbox_kafka_lag)
     if not types:
         inbox_log.warning(
             "no handlers registered: every message will be stored as dead "

@@ -529,8 +529,18 @@ def inbox_rows(engine: sa.Engine) -> list[sa.Row[Any]]:
 
 
 @pytest.fixture
-def inbox(rabbit: Rabbit, start_relay: Callable[..., RelayProcess]) -> Callable[..., RelayProcess]:
-    """Start `relay inbox` on a fresh queue bound to the test's exchange."""
+def dispatch() -> str:
+    """The inbox's --dispatch for the `inbox` fixture: its default here;
+    tests/inbox runs each test under both (its conftest)."""
+    return "received"
+
+
+@pytest.fixture
+def inbox(
+    rabbit: Rabbit, start_relay: Callable[..., RelayProcess], dispatch: str
+) -> Callable[..., RelayProcess]:
+    """Start `relay inbox` on a fresh queue bound to the test's exchange
+    (with --dispatch as the `dispatch` fixture says, unless given)."""
     queue = f"{rabbit.exchange}.in"
     rabbit.queues.append(queue)
 
@@ -558,6 +568,8 @@ def inbox(rabbit: Rabbit, start_relay: Callable[..., RelayProcess]) -> Callable[
         ]
         if handlers:
             args += ["--handlers", handlers]
+        if "--dispatch" not in extra:
+            args += ["--dispatch", dispatch]
         proc = start_relay(*args, *extra, env=env)
         proc.queue = queue  # type: ignore[attr-defined]
         if wait:

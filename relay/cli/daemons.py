@@ -285,6 +285,15 @@ def outbox(once: bool, **kwargs: Any) -> None:
     help="Redis Streams: seconds an entry stays unacknowledged by another consumer of the "
     "group (one that died) before this one claims it",
 )
+@option(
+    "--dispatch",
+    type=click.Choice(["received", "stored"]),
+    default="received",
+    show_default=True,
+    help="received: a message's handler runs in the transaction that stores it, "
+    "when its key has nothing waiting; stored: messages are stored first and "
+    "handled by the dispatchers in transactions of their own",
+)
 def inbox(**kwargs: Any) -> None:
     """The inbox daemon: consume a queue into the inbox table and dispatch rows to handlers."""
     setup_logs(kwargs)

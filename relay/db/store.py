@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -25,12 +26,18 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from relay.config import redact_url
 from relay.db import connect as pg
 from relay.db import namespace, schema
-from relay.db.errors import failed_command, server_unavailable, translate_errors
+from relay.db.errors import (
+    any_driver_error,
+    failed_command,
+    server_unavailable,
+    translate_errors,
+)
 from relay.db.session import UNBOUNDED, OutboxSession, sort_claimed
 from relay.db.sql import claim, query
+from relay.db.writer import rows_json
 from relay.errors import DatabaseUnavailable
 from relay.limits import clean_error
-from relay.rows import Failure, InboxRow
+from relay.rows import Failure, InboxRow, NewInboxRow
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,20 @@ STATUSES = {
 PLAN_CLAIM = query("plan_claim")
 UNPLAN_CLAIM = query("unplan_claim")
 PLAN_MARKS = query("plan_marks")
+
+# The receiving transaction's key locks (Store.store_received): advisory
+# locks of this class ("rlay"), the second number the key's CRC-32.
+KEY_LOCKS = 0x726C6179
+# Before its locks: no notification at its commit (schema/008_inbox_quiet.sql).
+QUIET = "SELECT set_config('relay.quiet', 'on', true)"
+
+
+def key_lock(consumer: str, key: str) -> int:
+    """The advisory lock number of a consumer's key (a signed int4): the
+    same in every process, as PostgreSQL's lock table needs; two keys that
+    share one only wait for each other."""
+    number = zlib.crc32(f"{consumer}\0{key}".encode("utf-8", "surrogatepass"))
+    return number - (1 << 32) if number >= 1 << 31 else number
 
 
 class InboxClaimed(NamedTuple):
@@ -125,9 +146,10 @@ class Savepoint:
 
 def _exec(pgconn: Any, command: str) -> None:
     """One simple-protocol query straight through libpq (several commands
-    separated by semicolons are one round trip)."""
+    separated by semicolons are one round trip; rows a SELECT returns are
+    dropped)."""
     result = pgconn.exec_(command.encode())
-    if result.status == psycopg.pq.ExecStatus.COMMAND_OK:
+    if result.status in (psycopg.pq.ExecStatus.COMMAND_OK, psycopg.pq.ExecStatus.TUPLES_OK):
         return
     message = (result.error_message or pgconn.error_message).decode(errors="replace")
     raise failed_command(
@@ -477,6 +499,64 @@ class Store:
         fields, blocked, used, need = sort_claimed(found)
         return InboxClaimed([InboxRow._make(row) for row in fields], blocked, used, need)
 
+    def store_received(
+        self,
+        conn: sa.Connection,
+        consumer: str,
+        rows: Sequence[NewInboxRow],
+        statuses: Sequence[str],
+        on_dead: str,
+    ) -> dict[str, str]:
+        """Begin the receiving transaction (--dispatch received): lock the
+        batch's keys, in order, and insert its new rows as inbox_insert_received
+        says (a row given as `processed` stays so unless its key has a row
+        waiting for the dispatchers); returns the new rows' statuses, by id.
+        Raises Refused for a value PostgreSQL will not take (the
+        transaction is then aborted), DatabaseUnavailable when it is away or
+        the statement failed otherwise (a deadlock with another process's
+        transaction on a redelivered message)."""
+        locks = sorted({key_lock(consumer, row.key) for row in rows if row.key is not None})
+        commands = [QUIET]
+        if locks:
+            numbers = ",".join(map(str, locks))
+            commands.append(
+                f"SELECT pg_advisory_xact_lock({KEY_LOCKS}, n) "
+                f"FROM unnest(CAST(ARRAY[{numbers}] AS int4[])) AS n"
+            )
+        pgconn = _pgconn(conn)
+        with translate_errors(any_driver_error):
+            idle = pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            _exec(pgconn, "; ".join(["BEGIN", *commands] if idle else commands))
+            params = {"consumer": consumer, "rows": rows_json(rows, statuses)}
+            result = conn.execute(self._insert_received(on_dead), params)
+            return {message_id: status for message_id, status in result}  # noqa: C416
+
+    @staticmethod
+    @functools.cache
+    def _insert_received(on_dead: str) -> sa.TextClause:
+        return sa.text(
+            query("inbox_insert_received").replace("{held}", query(f"inbox_held_{on_dead}"))
+        )
+
+    def hold_received(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
+        """Rows the receiving transaction stored `processed` whose handlers
+        did not run (an earlier row of their key failed): pending."""
+        if ids:
+            with translate_errors():
+                conn.execute(
+                    named("inbox_hold"),
+                    {"consumer": consumer, "ids": orjson.dumps(list(ids)).decode()},
+                )
+
+    def wake_dispatchers(self, conn: sa.Connection) -> None:
+        """Notify the inbox's dispatchers at this transaction's commit (a
+        quiet one, see store_received, that stored rows for them)."""
+        with translate_errors():
+            conn.execute(
+                named("notify_wake"),
+                {"channel": NOTIFY_INBOX, "table": self.table("inbox")},
+            )
+
     def mark_processed(self, conn: sa.Connection, consumer: str, ids: Sequence[str]) -> None:
         if ids:
             with translate_errors():
@@ -516,18 +596,30 @@ class Store:
         rows: Sequence[tuple[InboxRow, float]],
         error: str,
         max_attempts: int,
+        *,
+        received: Sequence[NewInboxRow] = (),
     ) -> list[str]:
         """End the transaction of a hung handler (backend `pid`: the
         dispatcher's own connection), then record the failed attempt of its
         rows (each with its backoff delay: one row for a handler, those of
         the call for a batch handler); the UPDATE waits for the row lock the
         ended transaction held, and does nothing if the row was finished
-        meanwhile. Returns the new statuses."""
+        meanwhile. Returns the new statuses.
+
+        A receiving transaction's handler (--dispatch received) hung before
+        its batch was stored: `received`, the batch, is stored first as the
+        stored path would have (each row as received, in order), so that
+        the hung rows' attempt is counted and the messages of their keys
+        stay in order behind them when the broker delivers the batch again."""
         statuses: list[str] = []
         async with self.transaction() as conn:
             await conn.execute(named("lock_timeout"), {"timeout": "10s"})
             if pid is not None:
                 await conn.execute(named("terminate_backend"), {"pid": pid})
+            if received:
+                await conn.execute(
+                    named("inbox_insert"), {"consumer": consumer, "rows": rows_json(received)}
+                )
             for row, delay in rows:
                 params = {
                     "consumer": consumer,

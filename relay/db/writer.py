@@ -26,12 +26,14 @@ from relay.rows import NewInboxRow
 INSERT_INBOX = pyformat(query("inbox_insert"))
 
 
-def rows_json(batch: Sequence[NewInboxRow]) -> Json:
+def rows_json(batch: Sequence[NewInboxRow], statuses: Sequence[str] | None = None) -> Json:
     """A received batch as the JSON array INSERT_INBOX reads. Payloads and
     headers are JSON texts already (checked when received): they go in as
     they are. The array is made here, as bytes, once: psycopg sends them as
     they are (a json parameter), where a text parameter cost two more copies
-    of the batch's bodies (orjson's bytes decoded, then encoded again)."""
+    of the batch's bodies (orjson's bytes decoded, then encoded again).
+    `statuses`: the rows' statuses, if not their own (the receiving
+    transaction's, relay.db.store.Store.store_received)."""
     data = orjson.dumps(
         [
             {
@@ -42,12 +44,12 @@ def rows_json(batch: Sequence[NewInboxRow]) -> Json:
                 "payload": None if m.payload is None else orjson.Fragment(m.payload),
                 "body": None if m.body is None else base64.b64encode(m.body).decode(),
                 "headers": orjson.Fragment(m.headers),
-                "status": m.status,
+                "status": m.status if statuses is None else statuses[i],
                 "last_error": m.last_error,
                 # As a string: json_to_recordset would unescape a nested \u0000.
                 "raw_properties": m.raw_properties,
             }
-            for m in batch
+            for i, m in enumerate(batch)
         ]
     )
     return Json(None, dumps=lambda _: data)

@@ -103,7 +103,10 @@ def test_apply_upgrades_a_version_4_database_with_the_audit_trail(database):
         conn.execute("INSERT INTO outbox (topic, payload) VALUES ('t', '{}')")
     first = relay_cli("schema", "apply", database_url=database)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.strip() == "applied: 005_audit, 006_schemas, 007_inbox_retrying"
+    assert (
+        first.stdout.strip()
+        == "applied: 005_audit, 006_schemas, 007_inbox_retrying, 008_inbox_quiet"
+    )
     second = relay_cli("schema", "apply", database_url=database)
     assert second.stdout.strip() == "schema is up to date"
     with psycopg.connect(libpq(database)) as conn:

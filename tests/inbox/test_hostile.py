@@ -223,9 +223,29 @@ async def test_hung_sync_handler_counts_an_attempt_and_exits_for_a_restart(effec
     assert third.proc.returncode == 0
 
 
-async def test_sigterm_with_a_hung_handler_still_exits(effects, rabbit, inbox):
+async def test_sigterm_with_a_hung_handler_still_exits(effects, rabbit, inbox, dispatch):
     daemon = inbox("--handler-timeout", "30", "--shutdown-timeout", "1")
     await rabbit.publish("t", b'{"n": 1}', message_id="hang-1", type="SyncHang")
+    if dispatch == "received":
+        # The handler runs in the transaction that stores the row: once it
+        # is in it, a stop leaves no row and the message in the queue.
+        wait_until(
+            lambda: rows(
+                effects,
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = 'relay' "
+                "AND state = 'idle in transaction' AND query LIKE 'INSERT INTO effects%'",
+            )[0][0]
+            == 1
+        )
+        daemon.signal(15)
+        assert daemon.wait(30) == 0
+        assert status_of(effects, "hang-1") is None
+        channel = await rabbit.connection.channel()
+        queue = await channel.get_queue(daemon.queue)
+        [message] = await rabbit.drain(queue, 1)
+        assert message.message_id == "hang-1"
+        return
     # The row stored and a dispatcher in its transaction (the receiver's
     # own INSERT is idle in transaction for a moment too, before the row).
     wait_until(

@@ -20,6 +20,46 @@ FROM json_to_recordset(CAST(:rows AS json))
 ON CONFLICT (consumer, message_id) DO NOTHING
 RETURNING message_id
 
+-- name: inbox_insert_received
+-- The receiving transaction's INSERT (--dispatch received, relay.inbox
+-- Dispatcher.receive): inbox_insert's rows, where a row that comes as
+-- `processed` is stored so, to be handled in this transaction, unless its
+-- key has a row waiting for the dispatchers ({held}: pending, and under
+-- --on-dead block dead too), which it then waits behind as `pending`. The
+-- statement's snapshot does not see its own rows: a batch's rows of one
+-- key get one answer. The key's advisory lock, taken before, makes a
+-- receiving transaction of another process on the key wait for this one.
+INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
+                   status, last_error, raw_properties, processed_at)
+SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload,
+       decode(m.body, 'base64'), m.headers, s.status, m.last_error,
+       CAST(m.raw_properties AS json), CASE WHEN s.status = 'processed' THEN now() END
+FROM json_to_recordset(CAST(:rows AS json))
+     AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
+          headers jsonb, status text, last_error text, raw_properties text)
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN m.status <> 'processed' THEN m.status
+                WHEN m.key IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM inbox e
+                    WHERE e.consumer = :consumer AND e.key = m.key AND {held})
+                THEN 'pending'
+                ELSE 'processed' END) AS s(status)
+ON CONFLICT (consumer, message_id) DO NOTHING
+RETURNING message_id, status
+
+-- name: inbox_held_skip
+e.status = 'pending'
+
+-- name: inbox_held_block
+e.status <> 'processed'
+
+-- name: inbox_hold
+-- Rows stored `processed` by the receiving transaction whose handler did not
+-- run (an earlier row of their key failed in it): pending, for the dispatchers.
+UPDATE inbox SET status = 'pending', processed_at = NULL
+WHERE consumer = :consumer
+AND message_id = ANY(ARRAY(SELECT json_array_elements_text(CAST(:ids AS json))))
+
 -- name: inbox_claim
 -- The inbox twin of the outbox claim (see outbox_claim), per consumer,
 -- bounded by :budget bytes in the same way. A row is not claimed behind an
@@ -102,6 +142,7 @@ AND message_id = ANY(ARRAY(SELECT json_array_elements_text(CAST(:ids AS json))))
 UPDATE inbox AS i SET
     attempts = i.attempts + 1,
     last_error = f.error,
+    processed_at = NULL,  -- a row the receiving transaction stored processed
     available_at = now() + make_interval(secs => f.delay),
     status = CASE WHEN f.permanent OR i.attempts + 1 >= :max_attempts
                   THEN 'dead' ELSE 'pending' END
