@@ -22,7 +22,7 @@ import traceback
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from relay import batches, storable, tracing
 from relay.backoff import Backoff, reconnect_backoff, sleep_unless, wait_to_reconnect
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from relay.db.store import HandlerSavepoints
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
@@ -180,18 +182,23 @@ class Dispatcher:
             return 0, 0  # stopping
         held = [grant, 0]  # granted and not yet claimed; claimed
         try:
-            if self.store.sync_engine is not None:
-                with self.store.sync_transaction() as conn:
-                    outcome = self._batch(conn, None, held)
-            else:
-                async with self.store.transaction() as async_conn:
-                    outcome = await async_conn.run_sync(self._batch, async_conn, held)
+            outcome = await self._in_transaction(self._batch, held)
         finally:
             self.budget.claimed(held[0], 0)
             self.budget.release(held[1])
             self.metrics.handler_seconds.observe_all(self.handler_times)
             self.handler_times.clear()
         return self._report(*outcome)
+
+    async def _in_transaction(self, work: Callable[..., _T], *args: Any) -> _T:
+        """`work(conn, async_conn, *args)` in a transaction: on the sync
+        engine's blocking connection when there is one (async_conn None),
+        else inside run_sync on the async engine (see dispatch_batch)."""
+        if self.store.sync_engine is not None:
+            with self.store.sync_transaction() as conn:
+                return work(conn, None, *args)
+        async with self.store.transaction() as async_conn:
+            return await async_conn.run_sync(work, async_conn, *args)
 
     @property
     def stopped_short(self) -> bool:
@@ -238,12 +245,7 @@ class Dispatcher:
         it: all are the dispatchers' from there, as on the stored path.
         The transaction runs as a claimed batch's (see dispatch_batch)."""
         try:
-            if self.store.sync_engine is not None:
-                with self.store.sync_transaction() as conn:
-                    outcome = self._receive(conn, None, rows)
-            else:
-                async with self.store.transaction() as async_conn:
-                    outcome = await async_conn.run_sync(self._receive, async_conn, rows)
+            outcome = await self._in_transaction(self._receive, rows)
         finally:
             self.receiving = None
             self.metrics.handler_seconds.observe_all(self.handler_times)

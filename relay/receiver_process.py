@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -30,7 +31,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +39,16 @@ from relay import logs
 from relay.backoff import until_available
 from relay.brokers import Consumer, Reading
 from relay.db.connect import password_command, use_password_command
-from relay.errors import ConfigError, ReceiverExited
+from relay.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    ReceiverExited,
+    Refused,
+    Unavailable,
+)
 from relay.pacing import Gate, Lead, LeadGate, Pace
 from relay.receiving import Envelope, Receiver, Report, Stage, Writer
+from relay.rows import NewInboxRow
 from relay.runtime import tune_gc
 
 log = logging.getLogger("relay.inbox")
@@ -60,7 +68,9 @@ class ReceiverParts:
     functools.partial of them), and the values it uses."""
 
     consumer: Callable[[], Consumer]
-    writer: Callable[[], Writer]  # relay.receiving.Writer
+    # relay.receiving.Writer; None: the batches go to the daemon, whose
+    # `handing` stores and handles them (--dispatch received, ReceiverProcess)
+    writer: Callable[[], Writer] | None
     stage: Callable[[], Stage] | None  # relay.receiving.Stage: the claim check's
     envelope: Envelope | None  # relay.receiving.Envelope: CloudEvents'
     consumer_name: str
@@ -70,9 +80,14 @@ class ReceiverParts:
 class LocalReceiver:
     """A Receiver on the running event loop, with its consumer and writer."""
 
-    def __init__(self, parts: ReceiverParts, pace: Gate, report: Report) -> None:
+    def __init__(
+        self, parts: ReceiverParts, pace: Gate, report: Report, writer: Writer | None = None
+    ) -> None:
         self.consumer = parts.consumer()
-        self.writer = parts.writer()
+        if writer is None:
+            assert parts.writer is not None, "a receiver without a writer"
+            writer = parts.writer()
+        self.writer = writer
         self.receiver = Receiver(
             self.writer,
             self.consumer,
@@ -173,6 +188,28 @@ class Stored:
 
 
 @dataclass(frozen=True)
+class Store:
+    """A received batch for the daemon to store and handle (--dispatch
+    received: the parent's `handing`, relay.inbox.Handing)."""
+
+    number: int
+    consumer: str
+    rows: list[NewInboxRow]
+
+
+@dataclass(frozen=True)
+class StoreDone:
+    """The daemon's answer to Store `number`: the new ids, or what failed
+    (`error`: refused or unavailable, with its text, and the ids the
+    batch's other parts stored all the same)."""
+
+    number: int
+    new: set[str]
+    error: str | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class Readings:
     """The consumer's latest readings on its broker (relay.brokers.Reading)."""
 
@@ -186,8 +223,8 @@ class ConfigProblem:
     text: str
 
 
-ToChild = Start | Lead | Stop
-ToParent = Alive | Stored | Readings | ConfigProblem
+ToChild = Start | Lead | Stop | StoreDone
+ToParent = Alive | Stored | Readings | ConfigProblem | Store
 
 
 def _send(writer: asyncio.StreamWriter, message: ToChild | ToParent) -> None:
@@ -216,10 +253,15 @@ class ReceiverProcess:
     metrics, the Pace and the dispatchers' wake-up, as a LocalReceiver's
     would, and the Pace's lead goes back to the child after every change."""
 
-    def __init__(self, parts: ReceiverParts, pace: Pace, report: Report) -> None:
+    def __init__(
+        self, parts: ReceiverParts, pace: Pace, report: Report, handing: Writer | None = None
+    ) -> None:
         self.parts = parts
         self.pace = pace
         self.report = report
+        # --dispatch received: stores and handles the child's batches here.
+        self.handing = handing
+        self._storing: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
         self.connected = False
         self.last_alive = time.monotonic()
@@ -259,10 +301,10 @@ class ReceiverProcess:
         finally:
             theirs.close()
         self._reader, self._writer = await asyncio.open_connection(sock=ours)
-        _send(
-            self._writer,
-            Start(self.parts, self.pace.limit, logs.configuration() or ("INFO", "text", ())),
-        )
+        # Under --dispatch received the child's rows are handled as they are
+        # stored: none waits for the dispatchers, and the child is not paced.
+        limit = self.pace.limit if self.handing is None else sys.maxsize
+        _send(self._writer, Start(self.parts, limit, logs.configuration() or ("INFO", "text", ())))
         if self.stopping.is_set():
             _send(self._writer, Stop())
         log.debug("receiver process %d started", self._proc.pid)
@@ -287,9 +329,27 @@ class ReceiverProcess:
             )
         elif isinstance(message, Readings):
             self.readings = message.readings
+        elif isinstance(message, Store):
+            task = asyncio.ensure_future(self._store(message))
+            self._storing.add(task)
+            task.add_done_callback(self._storing.discard)
         elif isinstance(message, ConfigProblem):
             raise ConfigError(message.text)
         return True
+
+    async def _store(self, message: Store) -> None:
+        """Store and handle the child's batch (`handing`), and answer."""
+        assert self.handing is not None, "a Store from a child that writes its own rows"
+        try:
+            done = StoreDone(
+                message.number, await self.handing.insert(message.consumer, message.rows)
+            )
+        except Refused as exc:
+            done = StoreDone(message.number, set(exc.stored), "refused", str(exc))
+        except Unavailable as exc:
+            done = StoreDone(message.number, set(), "unavailable", str(exc))
+        if self._writer is not None:
+            _send(self._writer, done)
 
     async def _ended(self) -> None:
         """The child has gone: fine if asked to stop, else ReceiverExited."""
@@ -358,10 +418,11 @@ async def _child(fd: int) -> int:
         gate.stored(new)
         _send(writer, Stored(received, new, dead, fetched, fetched_bytes))
 
+    remote = RemoteWriter(writer) if start.parts.writer is None else None
     try:
-        local = LocalReceiver(start.parts, gate, report)
+        local = LocalReceiver(start.parts, gate, report, remote)
         local.on_readings = lambda readings: _send(writer, Readings(readings))
-        await _receive_until_stopped(local, reader, writer, gate)
+        await _receive_until_stopped(local, reader, writer, gate, remote)
         return 0
     except ConfigError as exc:
         _send(writer, ConfigProblem(str(exc)))
@@ -377,14 +438,21 @@ async def _receive_until_stopped(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     gate: LeadGate,
+    remote: RemoteWriter | None,
 ) -> None:
     async def listen() -> None:
+        # After Stop, on to the end of file: the answers to the batches in
+        # hand (StoreDone) may still come.
         while (message := await _receive(reader)) is not None:
             if isinstance(message, Lead):
                 gate.update(message)
+            elif isinstance(message, StoreDone) and remote is not None:
+                remote.done(message)
             elif isinstance(message, Stop):
-                break
-        local.stop()  # asked to, or the parent has gone
+                local.stop()
+        local.stop()  # the parent has gone
+        if remote is not None:
+            remote.gone()
 
     async def alive() -> None:
         while True:
@@ -401,6 +469,50 @@ async def _receive_until_stopped(
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
         await local.close()
+
+
+class RemoteWriter:
+    """The child's writer under --dispatch received: each batch goes to the
+    daemon (Store), which stores and handles it; the answer (StoreDone)
+    resolves the insert, as the child's own INSERT would have."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._numbers = itertools.count()
+        self._waiting: dict[int, asyncio.Future[StoreDone]] = {}
+
+    async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
+        if not batch:
+            return set()
+        number = next(self._numbers)
+        answer: asyncio.Future[StoreDone] = asyncio.get_running_loop().create_future()
+        self._waiting[number] = answer
+        try:
+            _send(self._writer, Store(number, consumer, list(batch)))
+            done = await answer
+        finally:
+            self._waiting.pop(number, None)
+        if done.error == "refused":
+            refused = Refused(done.text)
+            refused.stored = frozenset(done.new)
+            raise refused
+        if done.error is not None:
+            raise DatabaseUnavailable(done.text)
+        return done.new
+
+    def done(self, message: StoreDone) -> None:
+        answer = self._waiting.get(message.number)
+        if answer is not None and not answer.done():
+            answer.set_result(message)
+
+    def gone(self) -> None:
+        """The daemon has gone: what waits for it is not acknowledged."""
+        for answer in self._waiting.values():
+            if not answer.done():
+                answer.set_result(StoreDone(-1, set(), "unavailable", "the inbox is stopping"))
+
+    async def close(self) -> None:
+        pass
 
 
 def main() -> None:

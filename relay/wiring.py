@@ -459,16 +459,16 @@ def inbox_service(
     dispatchers = [make_dispatcher(worker) for worker in range(DISPATCHERS)]
     direct = settings.dispatch == "received"
     parts = receiver_parts(settings, consumer)
-    if direct:
-        # The receiver hands its batches to the dispatchers, which store and
-        # handle them: in this process (docs/inbox.md).
-        parts = dataclasses.replace(parts, writer=lambda: Handing(dispatchers))
-        receiver_process = False
-    receiver = (
-        ReceiverProcess(parts, pace, stored)
-        if receiver_process
-        else LocalReceiver(parts, pace, stored)
-    )
+    # --dispatch received: the receiver hands its batches to the
+    # dispatchers, which store and handle them (docs/inbox.md).
+    handing = Handing(dispatchers) if direct else None
+    receiver: ReceiverProcess | LocalReceiver
+    if receiver_process:
+        if handing is not None:
+            parts = dataclasses.replace(parts, writer=None)
+        receiver = ReceiverProcess(parts, pace, stored, handing)
+    else:
+        receiver = LocalReceiver(parts, pace, stored, handing)
     metrics.watch(receiver)  # the consumer's readings (relay_inbox_kafka_lag)
     if not types:
         inbox_log.warning(
