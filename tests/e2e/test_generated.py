@@ -170,8 +170,15 @@ def _settled(engine, consumer: str, before: str, after: str) -> tuple[list[Any]]
 # With CloudEvents (issue 42): some examples carry an event's attributes as
 # cloudEvents_ headers beside everything else generated, valid (one row,
 # deduplicated by source and id) or missing a required one (dead).
-@pytest.mark.parametrize("cloudevents", [False, True], ids=["plain", "cloudevents"])
-async def test_generated_amqp_deliveries_each_become_one_row(effects, rabbit, inbox, cloudevents):
+# Through both paths of the inbox (--dispatch, docs/inbox.md).
+@pytest.mark.parametrize(
+    ("dispatch", "cloudevents"),
+    [("received", False), ("received", True), ("stored", False)],
+    ids=["plain", "cloudevents", "stored"],
+)
+async def test_generated_amqp_deliveries_each_become_one_row(
+    effects, rabbit, inbox, dispatch, cloudevents
+):
     daemon = inbox()
     consumer = daemon.queue
     seen_bodies: set[bytes] = set()

@@ -230,13 +230,15 @@ async def test_sigterm_with_a_hung_handler_still_exits(effects, rabbit, inbox, d
         # The handler runs in the transaction that stores the row: once it
         # is in it, a stop leaves no row and the message in the queue.
         wait_until(
-            lambda: rows(
-                effects,
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND application_name = 'relay' "
-                "AND state = 'idle in transaction' AND query LIKE 'INSERT INTO effects%'",
-            )[0][0]
-            == 1
+            lambda: (
+                rows(
+                    effects,
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name = 'relay' "
+                    "AND state = 'idle in transaction' AND query LIKE 'INSERT INTO effects%'",
+                )[0][0]
+                == 1
+            )
         )
         daemon.signal(15)
         assert daemon.wait(30) == 0

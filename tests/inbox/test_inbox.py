@@ -150,7 +150,6 @@ async def test_per_key_dispatch_order_with_three_inboxes(effects, rabbit, inbox)
         last[key] = n
 
 
-@pytest.mark.parametrize("dispatch", ["stored"])  # its receiver process
 async def test_kill_9_of_the_inbox_takes_its_receiver_process_along(effects, rabbit, inbox):
     daemon = inbox()
     [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))
@@ -173,7 +172,6 @@ async def test_kill_9_of_the_inbox_takes_its_receiver_process_along(effects, rab
     wait_until(lambda: effect_ids(effects) == ["after-kill"])
 
 
-@pytest.mark.parametrize("dispatch", ["stored"])  # its receiver process
 async def test_a_receiver_process_that_dies_stops_the_inbox_with_status_1(effects, rabbit, inbox):
     daemon = inbox()
     [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))
@@ -185,7 +183,6 @@ async def test_a_receiver_process_that_dies_stops_the_inbox_with_status_1(effect
     wait_until(lambda: effect_ids(effects) == ["after-restart"])
 
 
-@pytest.mark.parametrize("dispatch", ["stored"])  # its receiver process
 async def test_ctrl_c_reaching_both_processes_still_stops_cleanly(effects, rabbit, inbox):
     # A terminal sends SIGINT to the whole process group: the receiver
     # process leaves stopping to the daemon, which stops it in order.
