@@ -21,7 +21,7 @@ import time
 import traceback
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from relay import batches, storable, tracing
@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+# A received batch handed to a dispatcher: its rows, their reserved `seq`
+# values, and the future of the ids that were new (DispatcherThread.submit).
+Received = tuple[Sequence[NewInboxRow], Sequence[int], concurrent.futures.Future[set[str]]]
 
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
@@ -148,8 +152,7 @@ class Dispatcher:
         # share, each with the future its new ids go to, handed over from
         # the daemon's event loop (DispatcherThread.submit), and handled
         # before any claim; the one in hand, for the watchdog.
-        self.received: deque[tuple[Sequence[NewInboxRow], concurrent.futures.Future[set[str]]]]
-        self.received = deque()
+        self.received: deque[Received] = deque()
         self.receiving: Sequence[NewInboxRow] | None = None
         # Whether wake() asked for a claim since the last one began.
         self._woken = False
@@ -235,7 +238,9 @@ class Dispatcher:
         statuses = self.store.mark_inbox_failed(conn, consumer, failed, self.max_attempts)
         return processed, failed, statuses, blocked
 
-    async def receive_batch(self, rows: Sequence[NewInboxRow]) -> set[str]:
+    async def receive_batch(
+        self, rows: Sequence[NewInboxRow], seqs: Sequence[int] | None = None
+    ) -> set[str]:
         """Store a received batch of this dispatcher's share and handle it in
         the same transaction (--dispatch received); returns the ids of the
         rows that were new. The rows whose key has a row waiting for the
@@ -245,7 +250,7 @@ class Dispatcher:
         it: all are the dispatchers' from there, as on the stored path.
         The transaction runs as a claimed batch's (see dispatch_batch)."""
         try:
-            outcome = await self._in_transaction(self._receive, rows)
+            outcome = await self._in_transaction(self._receive, rows, seqs)
         finally:
             self.receiving = None
             self.metrics.handler_seconds.observe_all(self.handler_times)
@@ -255,10 +260,15 @@ class Dispatcher:
         return new
 
     def _receive(
-        self, conn: Any, async_conn: Any, rows: Sequence[NewInboxRow]
+        self,
+        conn: Any,
+        async_conn: Any,
+        rows: Sequence[NewInboxRow],
+        seqs: Sequence[int] | None,
     ) -> tuple[set[str], list[str], list[tuple[InboxRow, Failure, float]], dict[str, str]]:
         consumer = self.consumer_name
-        stored = self.store.store_received(conn, consumer, rows, self._statuses(rows), self.on_dead)
+        offered = self._statuses(rows)
+        stored = self.store.store_received(conn, consumer, rows, offered, self.on_dead, seqs)
         handle: list[InboxRow] = []
         waiting = 0
         for row in rows:
@@ -313,11 +323,11 @@ class Dispatcher:
 
     async def _receive_next(self) -> None:
         """Handle the oldest batch handed over; its outcome to its future."""
-        rows, future = self.received.popleft()
+        rows, seqs, future = self.received.popleft()
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(await self.receive_batch(rows))
+            future.set_result(await self.receive_batch(rows, seqs))
         except Exception as exc:
             if connection_invalidated(exc):
                 exc = DatabaseUnavailable(f"the connection was lost: {exc}")
@@ -330,7 +340,7 @@ class Dispatcher:
     def _refuse_received(self) -> None:
         """Stopping: the batches not begun wait for the broker to deliver them again."""
         while self.received:
-            _, future = self.received.popleft()
+            *_, future = self.received.popleft()
             if future.set_running_or_notify_cancel():
                 future.set_exception(DatabaseUnavailable("the inbox is stopping"))
 
@@ -752,8 +762,7 @@ class DispatcherThread:
         self.dispatcher: Dispatcher | None = None
         self._stop_requested = False
         # The received batches handed over (submit), the dispatcher's once it runs.
-        self.received: deque[tuple[Sequence[NewInboxRow], concurrent.futures.Future[set[str]]]]
-        self.received = deque()
+        self.received: deque[Received] = deque()
 
     def _call(self, method: str) -> None:
         with self._lock:
@@ -763,12 +772,15 @@ class DispatcherThread:
     def wake(self) -> None:
         self._call("wake")
 
-    def submit(self, rows: Sequence[NewInboxRow]) -> concurrent.futures.Future[set[str]]:
-        """Hand a received batch to the dispatcher, to store and handle in
-        one transaction (Dispatcher.receive_batch); its future gets the ids
-        of the rows that were new, or the error."""
+    def submit(
+        self, rows: Sequence[NewInboxRow], seqs: Sequence[int]
+    ) -> concurrent.futures.Future[set[str]]:
+        """Hand a received batch to the dispatcher, to store (with the `seq`
+        values reserved for it) and handle in one transaction
+        (Dispatcher.receive_batch); its future gets the ids of the rows that
+        were new, or the error."""
         future: concurrent.futures.Future[set[str]] = concurrent.futures.Future()
-        self.received.append((rows, future))
+        self.received.append((rows, seqs, future))
         self._call("take")
         return future
 
@@ -909,23 +921,35 @@ class Handing:
     The split is by the key's CRC-32 (a keyless message's by its id), so
     a batch's rows of a key are handled in one transaction, in order; the
     keys' advisory locks (relay.db.store.key_lock) order the transactions
-    of the daemons that receive from one queue."""
+    of the daemons that receive from one queue. The batch's `seq` values
+    are taken first, in one round trip, so that `seq` keeps the order of
+    arrival across the parts, as one INSERT would."""
 
-    def __init__(self, threads: Sequence[DispatcherThread]) -> None:
+    def __init__(
+        self,
+        threads: Sequence[DispatcherThread],
+        reserve: Callable[[int], Awaitable[list[int]]],
+    ) -> None:
         self.threads = threads
+        self.reserve = reserve  # Store.reserve_seqs: `seq` in arrival order
 
     async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
         """Store and handle `batch`; returns the ids that were new. Raises
         Refused when PostgreSQL refused a value of a part (with the ids the
         other parts stored), DatabaseUnavailable while it is away."""
+        if not batch:
+            return set()
         count = len(self.threads)
-        parts: list[list[NewInboxRow]] = [[] for _ in range(count)]
-        for row in batch:
-            parts[_share(row, count)].append(row)
+        seqs = await self.reserve(len(batch))
+        parts: list[tuple[list[NewInboxRow], list[int]]] = [([], []) for _ in range(count)]
+        for row, seq in zip(batch, seqs, strict=True):
+            rows, numbers = parts[_share(row, count)]
+            rows.append(row)
+            numbers.append(seq)
         futures = [
-            asyncio.wrap_future(thread.submit(part))
+            asyncio.wrap_future(thread.submit(*part))
             for thread, part in zip(self.threads, parts, strict=True)
-            if part
+            if part[0]
         ]
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         new: set[str] = set()

@@ -26,14 +26,18 @@ from relay.rows import NewInboxRow
 INSERT_INBOX = pyformat(query("inbox_insert"))
 
 
-def rows_json(batch: Sequence[NewInboxRow], statuses: Sequence[str] | None = None) -> Json:
+def rows_json(
+    batch: Sequence[NewInboxRow],
+    statuses: Sequence[str] | None = None,
+    seqs: Sequence[int] | None = None,
+) -> Json:
     """A received batch as the JSON array INSERT_INBOX reads. Payloads and
     headers are JSON texts already (checked when received): they go in as
     they are. The array is made here, as bytes, once: psycopg sends them as
     they are (a json parameter), where a text parameter cost two more copies
     of the batch's bodies (orjson's bytes decoded, then encoded again).
-    `statuses`: the rows' statuses, if not their own (the receiving
-    transaction's, relay.db.store.Store.store_received)."""
+    `statuses`: the rows' statuses, if not their own, and `seqs`, their
+    reserved `seq` (the receiving transaction's, Store.store_received)."""
     data = orjson.dumps(
         [
             {
@@ -48,6 +52,7 @@ def rows_json(batch: Sequence[NewInboxRow], statuses: Sequence[str] | None = Non
                 "last_error": m.last_error,
                 # As a string: json_to_recordset would unescape a nested \u0000.
                 "raw_properties": m.raw_properties,
+                "seq": None if seqs is None else seqs[i],
             }
             for i, m in enumerate(batch)
         ]
