@@ -348,6 +348,9 @@ class ReceiverProcess:
             done = StoreDone(message.number, set(exc.stored), "refused", str(exc))
         except Unavailable as exc:
             done = StoreDone(message.number, set(), "unavailable", str(exc))
+        except Exception as exc:  # relay's fault: the child raises it, and exits 1
+            log.exception("storing a received batch failed")
+            done = StoreDone(message.number, set(), "failed", f"{type(exc).__name__}: {exc}")
         if self._writer is not None:
             _send(self._writer, done)
 
@@ -496,8 +499,10 @@ class RemoteWriter:
             refused = Refused(done.text)
             refused.stored = frozenset(done.new)
             raise refused
-        if done.error is not None:
+        if done.error == "unavailable":
             raise DatabaseUnavailable(done.text)
+        if done.error is not None:
+            raise RuntimeError(f"the inbox daemon could not store a batch: {done.text}")
         return done.new
 
     def done(self, message: StoreDone) -> None:
