@@ -603,8 +603,9 @@ def _dead_or_handled(found: Any, broken: str | None) -> None:
 
 
 def _settled_between(engine, before: str, after: str) -> tuple[list[Any]] | None:
-    """The inbox rows between two canaries once none is pending (wrapped, so
-    that an empty list is an answer too)."""
+    """The inbox rows between two canaries once there is one and none is
+    pending (wrapped). Under --dispatch received a batch's parts commit side
+    by side: the canary after a row can be in the table before it."""
     found = rows(
         engine,
         "SELECT message_id, status, type, last_error FROM inbox WHERE "
@@ -613,7 +614,7 @@ def _settled_between(engine, before: str, after: str) -> tuple[list[Any]] | None
         a=before,
         b=after,
     )
-    return None if any(r[1] == "pending" for r in found) else (found,)
+    return None if not found or any(r[1] == "pending" for r in found) else (found,)
 
 
 # Kafka headers carry text: a number where a string must be is a string there.
