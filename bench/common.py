@@ -79,7 +79,12 @@ def _bench_only_path() -> str:
 
 
 def relay_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    # The user's RELAY_ settings stay out, but RELAY_DISPATCH: the inbox's
+    # two paths (docs/inbox.md) are compared as `RELAY_DISPATCH=stored
+    # python -m bench.run ...` beside a run without it.
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("RELAY_") or k == "RELAY_DISPATCH"
+    }
     env.update(
         {
             "PYTHONUNBUFFERED": "1",
