@@ -63,8 +63,7 @@ UNAVAILABLE_SQLSTATES = frozenset({"25006", "57P01", "57P02", "57P03", "55000", 
 def server_unavailable(exc: BaseException) -> bool:
     """Did the server answer that it cannot take relay's work now (see
     UNAVAILABLE_SQLSTATES)? Looks through SQLAlchemy's wrapper."""
-    orig = getattr(exc, "orig", None) if _sqlalchemy(exc, "DBAPIError") else exc
-    return getattr(orig, "sqlstate", None) in UNAVAILABLE_SQLSTATES
+    return getattr(_driver(exc), "sqlstate", None) in UNAVAILABLE_SQLSTATES
 
 
 def is_disconnect(exc: BaseException) -> bool:
@@ -87,10 +86,16 @@ def statement_gone(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.errors.InvalidSqlStatementName)
 
 
+def _driver(exc: BaseException) -> BaseException:
+    """The driver's own error under SQLAlchemy's wrapper, else `exc`."""
+    orig = getattr(exc, "orig", None) if _sqlalchemy(exc, "DBAPIError") else None
+    return orig if isinstance(orig, BaseException) else exc
+
+
 def any_driver_error(exc: BaseException) -> bool:
-    """Any psycopg error or socket error: the server's or the connection's
-    (gone, read only, out of disk)."""
-    return isinstance(exc, (psycopg.Error, OSError))
+    """Any psycopg error or socket error, also under SQLAlchemy's wrapper:
+    the server's or the connection's (gone, read only, out of disk)."""
+    return isinstance(_driver(exc), (psycopg.Error, OSError))
 
 
 def lock_not_available(exc: BaseException) -> bool:
@@ -100,12 +105,15 @@ def lock_not_available(exc: BaseException) -> bool:
 
 
 def is_driver_error(exc: BaseException) -> bool:
-    """Did the driver raise it (rather than relay's code, or a cancellation)?"""
-    return isinstance(exc, psycopg.Error)
+    """Did the driver raise it (rather than relay's code, or a cancellation)?
+    Looks through SQLAlchemy's wrapper."""
+    return isinstance(_driver(exc), psycopg.Error)
 
 
 def refused_by_content(exc: BaseException) -> bool:
-    """Did PostgreSQL refuse a value rather than the connection fail? (See Refused.)"""
+    """Did PostgreSQL refuse a value rather than the connection fail? (See
+    Refused.) Looks through SQLAlchemy's wrapper."""
+    exc = _driver(exc)
     if isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded)):
         return True
     sqlstate = getattr(exc, "sqlstate", None) or ""
@@ -141,7 +149,8 @@ def unavailable(
     if busy is not None and busy(exc):
         return ShareBusy(describe(exc))
     if lost is any_driver_error and is_driver_error(exc) and refused_by_content(exc):
-        first = str(exc).strip().splitlines()
+        # The driver's text: SQLAlchemy's adds the statement and its values.
+        first = str(_driver(exc)).strip().splitlines()
         return Refused(first[0] if first else type(exc).__name__)
     if lost(exc):
         return DatabaseUnavailable(describe(exc))

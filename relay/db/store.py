@@ -530,12 +530,7 @@ class Store:
             idle = pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
             _exec(pgconn, "; ".join(["BEGIN", *commands] if idle else commands))
             params = {"consumer": consumer, "rows": rows_json(rows, statuses, seqs)}
-            try:
-                result = conn.execute(self._insert_received(on_dead), params)
-            except sa.exc.DBAPIError as exc:  # the driver's own, for Refused
-                if exc.orig is None:
-                    raise
-                raise exc.orig from exc
+            result = conn.execute(self._insert_received(on_dead), params)
             return {message_id: status for message_id, status in result}  # noqa: C416
 
     async def reserve_seqs(self, count: int) -> list[int]:
