@@ -238,9 +238,7 @@ class Dispatcher:
         statuses = self.store.mark_inbox_failed(conn, consumer, failed, self.max_attempts)
         return processed, failed, statuses, blocked
 
-    async def receive_batch(
-        self, rows: Sequence[NewInboxRow], seqs: Sequence[int] | None = None
-    ) -> set[str]:
+    async def receive_batch(self, rows: Sequence[NewInboxRow], seqs: Sequence[int]) -> set[str]:
         """Store a received batch of this dispatcher's share and handle it in
         the same transaction (--dispatch received); returns the ids of the
         rows that were new. The rows whose key has a row waiting for the
@@ -264,7 +262,7 @@ class Dispatcher:
         conn: Any,
         async_conn: Any,
         rows: Sequence[NewInboxRow],
-        seqs: Sequence[int] | None,
+        seqs: Sequence[int],
     ) -> tuple[set[str], list[str], list[tuple[InboxRow, Failure, float]], dict[str, str]]:
         consumer = self.consumer_name
         offered = self._statuses(rows)

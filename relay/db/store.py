@@ -506,7 +506,7 @@ class Store:
         rows: Sequence[NewInboxRow],
         statuses: Sequence[str],
         on_dead: str,
-        seqs: Sequence[int] | None = None,
+        seqs: Sequence[int],
     ) -> dict[str, str]:
         """Begin the receiving transaction (--dispatch received): lock the
         batch's keys, in order, and insert its new rows as inbox_insert_received

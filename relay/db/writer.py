@@ -38,25 +38,26 @@ def rows_json(
     of the batch's bodies (orjson's bytes decoded, then encoded again).
     `statuses`: the rows' statuses, if not their own, and `seqs`, their
     reserved `seq` (the receiving transaction's, Store.store_received)."""
-    data = orjson.dumps(
-        [
-            {
-                "message_id": m.message_id,
-                "topic": m.topic,
-                "key": m.key,
-                "type": m.type,
-                "payload": None if m.payload is None else orjson.Fragment(m.payload),
-                "body": None if m.body is None else base64.b64encode(m.body).decode(),
-                "headers": orjson.Fragment(m.headers),
-                "status": m.status if statuses is None else statuses[i],
-                "last_error": m.last_error,
-                # As a string: json_to_recordset would unescape a nested \u0000.
-                "raw_properties": m.raw_properties,
-                "seq": None if seqs is None else seqs[i],
-            }
-            for i, m in enumerate(batch)
-        ]
-    )
+    rows: list[dict[str, object]] = [
+        {
+            "message_id": m.message_id,
+            "topic": m.topic,
+            "key": m.key,
+            "type": m.type,
+            "payload": None if m.payload is None else orjson.Fragment(m.payload),
+            "body": None if m.body is None else base64.b64encode(m.body).decode(),
+            "headers": orjson.Fragment(m.headers),
+            "status": m.status if statuses is None else statuses[i],
+            "last_error": m.last_error,
+            # As a string: json_to_recordset would unescape a nested \u0000.
+            "raw_properties": m.raw_properties,
+        }
+        for i, m in enumerate(batch)
+    ]
+    if seqs is not None:
+        for row, seq in zip(rows, seqs, strict=True):
+            row["seq"] = seq
+    data = orjson.dumps(rows)
     return Json(None, dumps=lambda _: data)
 
 

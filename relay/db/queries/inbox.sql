@@ -34,7 +34,7 @@ INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, header
 SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload,
        decode(m.body, 'base64'), m.headers, s.status, m.last_error,
        CAST(m.raw_properties AS json), CASE WHEN s.status = 'processed' THEN now() END,
-       coalesce(m.seq, nextval(pg_get_serial_sequence('inbox', 'seq')))
+       m.seq
 FROM json_to_recordset(CAST(:rows AS json))
      AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
           headers jsonb, status text, last_error text, raw_properties text, seq bigint)
