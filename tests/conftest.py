@@ -486,23 +486,38 @@ def quick_bench(tmp_path: Path, *scenarios: str) -> dict[str, set[str]]:
     return figures
 
 
+# `relay inbox` polling and backing off fast, for the tests' daemons.
+FAST = ("--poll-interval", "0.5", "--backoff-min", "0.2", "--backoff-max", "0.5")
+
+
 def inbox_args(queue: str, *extra: str) -> list[str]:
     """`relay inbox` on `queue` with the test handlers, polling and backing
     off fast (the broker's URL comes from the environment)."""
-    return [
-        "inbox",
-        "--queue",
-        queue,
-        "--handlers",
-        HANDLERS,
-        "--poll-interval",
-        "0.5",
-        "--backoff-min",
-        "0.2",
-        "--backoff-max",
-        "0.5",
-        *extra,
-    ]
+    return ["inbox", "--queue", queue, "--handlers", HANDLERS, *FAST, *extra]
+
+
+def sync_hang_holds_its_transaction(engine: sa.Engine) -> bool:
+    """The SyncHang handler has written its effect and blocks its thread,
+    its transaction open."""
+    return rows(
+        engine,
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND application_name = 'relay' "
+        "AND state = 'idle in transaction' AND query LIKE 'INSERT INTO effects%'",
+    ) == [(1,)]
+
+
+async def left_in_the_queue(
+    engine: sa.Engine, rabbit: Rabbit, daemon: RelayProcess, message_id: str
+) -> None:
+    """--dispatch received: a handler released by a stop ran in the
+    transaction that stores its row; it left no row, and its message waits
+    in the queue (the `inbox` fixture's)."""
+    assert rows(engine, "SELECT count(*) FROM inbox") == [(0,)]
+    channel = await rabbit.connection.channel()
+    queue = await channel.get_queue(daemon.queue)  # type: ignore[attr-defined]
+    [message] = await rabbit.drain(queue, 1)
+    assert message.message_id == message_id
 
 
 @pytest.fixture
@@ -559,12 +574,7 @@ def inbox(
             rabbit.exchange,
             "--bind",
             bind,
-            "--poll-interval",
-            "0.5",
-            "--backoff-min",
-            "0.2",
-            "--backoff-max",
-            "0.5",
+            *FAST,
         ]
         if handlers:
             args += ["--handlers", handlers]

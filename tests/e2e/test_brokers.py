@@ -26,6 +26,7 @@ import relay
 from relay.outbox import WORKERS
 from tests.conftest import (
     AMQP_URL,
+    FAST,
     HANDLERS,
     Rabbit,
     Received,
@@ -650,12 +651,7 @@ def inbox(broker, start_relay):
             *state["args"],
             "--handlers",
             HANDLERS,
-            "--poll-interval",
-            "0.5",
-            "--backoff-min",
-            "0.2",
-            "--backoff-max",
-            "0.5",
+            *FAST,
             *extra,
         )
         proc.wait_for_log("inbox started")

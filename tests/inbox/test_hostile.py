@@ -29,7 +29,9 @@ from tests.conftest import (
     effect_ids,
     free_port,
     insert_outbox,
+    left_in_the_queue,
     rows,
+    sync_hang_holds_its_transaction,
     wait_until,
 )
 
@@ -229,24 +231,11 @@ async def test_sigterm_with_a_hung_handler_still_exits(effects, rabbit, inbox, d
     if dispatch == "received":
         # The handler runs in the transaction that stores the row: once it
         # is in it, a stop leaves no row and the message in the queue.
-        wait_until(
-            lambda: (
-                rows(
-                    effects,
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND application_name = 'relay' "
-                    "AND state = 'idle in transaction' AND query LIKE 'INSERT INTO effects%'",
-                )[0][0]
-                == 1
-            )
-        )
+        wait_until(lambda: sync_hang_holds_its_transaction(effects))
         daemon.signal(15)
         assert daemon.wait(30) == 0
         assert status_of(effects, "hang-1") is None
-        channel = await rabbit.connection.channel()
-        queue = await channel.get_queue(daemon.queue)
-        [message] = await rabbit.drain(queue, 1)
-        assert message.message_id == "hang-1"
+        await left_in_the_queue(effects, rabbit, daemon, "hang-1")
         return
     # The row stored and a dispatcher in its transaction (the receiver's
     # own INSERT is idle in transaction for a moment too, before the row).

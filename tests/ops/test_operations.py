@@ -30,8 +30,10 @@ from tests.conftest import (
     PG_PORT,
     free_port,
     insert_outbox,
+    left_in_the_queue,
     receiver_processes,
     rows,
+    sync_hang_holds_its_transaction,
     wait_until,
 )
 from tests.proxy import amqp_proxy, pg_proxy  # noqa: F401 - fixtures
@@ -169,27 +171,6 @@ async def test_sigterm_under_load_inbox_exits_0_in_time_and_a_rerun_finds_no_row
     ]
 
 
-def _hanging(effects) -> bool:
-    """The SyncHang handler has written its effect and blocks its thread."""
-    return rows(
-        effects,
-        "SELECT count(*) FROM pg_stat_activity "
-        "WHERE datname = current_database() "
-        "AND state = 'idle in transaction' "
-        "AND query LIKE 'INSERT INTO effects%'",
-    ) == [(1,)]
-
-
-async def _left_in_the_queue(effects, rabbit, daemon, message_id: str) -> None:
-    """--dispatch received: the handler ran in the transaction that stores
-    its row; released, it left no row, and the message waits in the queue."""
-    assert rows(effects, "SELECT count(*) FROM inbox") == [(0,)]
-    channel = await rabbit.connection.channel()
-    queue = await channel.get_queue(daemon.queue)
-    [message] = await rabbit.drain(queue, 1)
-    assert message.message_id == message_id
-
-
 @pytest.mark.parametrize("dispatch", ["received", "stored"])
 async def test_sigterm_releases_a_sync_handler_that_overruns_the_shutdown_timeout(
     effects, rabbit, inbox, dispatch
@@ -197,7 +178,7 @@ async def test_sigterm_releases_a_sync_handler_that_overruns_the_shutdown_timeou
     daemon = inbox("--shutdown-timeout", "3", "--handler-timeout", "60")
     await rabbit.publish("hang", b"{}", message_id="h-1", type="SyncHang")
     # The handler has written its effect and now blocks its thread.
-    wait_until(lambda: _hanging(effects), timeout=30)
+    wait_until(lambda: sync_hang_holds_its_transaction(effects), timeout=30)
     started = time.monotonic()
     daemon.signal(signal.SIGTERM)
     assert daemon.wait(30) == 0, daemon.log
@@ -205,7 +186,7 @@ async def test_sigterm_releases_a_sync_handler_that_overruns_the_shutdown_timeou
     assert time.monotonic() - started < 3 + 1.5
     assert "releasing it" in daemon.log
     if dispatch == "received":
-        await _left_in_the_queue(effects, rabbit, daemon, "h-1")
+        await left_in_the_queue(effects, rabbit, daemon, "h-1")
         return
     # Released: rolled back, no attempt counted, claimable at once.
     wait_until(
@@ -221,7 +202,7 @@ async def test_sigterm_releases_a_sync_handler_that_overruns_the_shutdown_timeou
 async def test_a_second_signal_exits_at_once_with_130(effects, rabbit, inbox, dispatch):
     daemon = inbox("--shutdown-timeout", "60", "--handler-timeout", "60")
     await rabbit.publish("hang", b"{}", message_id="h-2", type="SyncHang")
-    wait_until(lambda: _hanging(effects), timeout=30)
+    wait_until(lambda: sync_hang_holds_its_transaction(effects), timeout=30)
     daemon.signal(signal.SIGTERM)
     daemon.wait_for_log("stopping")
     started = time.monotonic()
@@ -229,7 +210,7 @@ async def test_a_second_signal_exits_at_once_with_130(effects, rabbit, inbox, di
     assert daemon.wait(30) == 130
     assert time.monotonic() - started < 5
     if dispatch == "received":
-        await _left_in_the_queue(effects, rabbit, daemon, "h-2")
+        await left_in_the_queue(effects, rabbit, daemon, "h-2")
         return
     wait_until(
         lambda: (
