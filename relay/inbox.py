@@ -335,13 +335,6 @@ class Dispatcher:
             raise exc
         self.last_progress = time.monotonic()
 
-    def _refuse_received(self) -> None:
-        """Stopping: the batches not begun wait for the broker to deliver them again."""
-        while self.received:
-            *_, future = self.received.popleft()
-            if future.set_running_or_notify_cancel():
-                future.set_exception(DatabaseUnavailable("the inbox is stopping"))
-
     def _report(
         self,
         processed: list[str],
@@ -742,7 +735,15 @@ class Dispatcher:
                     continue
                 claim_at = time.monotonic() + (BLOCKED_RETRY if blocked else self.poll_interval)
         finally:
-            self._refuse_received()
+            refuse_received(self.received)
+
+
+def refuse_received(received: deque[Received]) -> None:
+    """Stopping: the batches not begun wait for the broker to deliver them again."""
+    while received:
+        *_, future = received.popleft()
+        if future.set_running_or_notify_cancel():
+            future.set_exception(DatabaseUnavailable("the inbox is stopping"))
 
 
 def _error_text(exc: BaseException) -> str:
@@ -759,6 +760,7 @@ class DispatcherThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dispatcher: Dispatcher | None = None
         self._stop_requested = False
+        self._closed = False  # the dispatcher has stopped: submit refuses
         # The received batches handed over (submit), the dispatcher's once it runs.
         self.received: deque[Received] = deque()
 
@@ -778,8 +780,15 @@ class DispatcherThread:
         (Dispatcher.receive_batch); its future gets the ids of the rows that
         were new, or the error."""
         future: concurrent.futures.Future[set[str]] = concurrent.futures.Future()
-        self.received.append((rows, seqs, future))
-        self._call("take")
+        with self._lock:
+            if self._closed:
+                # The receiver can still be storing a batch while the
+                # dispatchers stop: it stays unacknowledged, for redelivery.
+                future.set_exception(DatabaseUnavailable("the inbox is stopping"))
+                return future
+            self.received.append((rows, seqs, future))
+            if self._loop is not None and self.dispatcher is not None:
+                self._loop.call_soon_threadsafe(self.dispatcher.take)
         return future
 
     def stop(self) -> None:
@@ -800,7 +809,14 @@ class DispatcherThread:
             finally:
                 await store.close()
 
-        asyncio.run(body())
+        try:
+            asyncio.run(body())
+        finally:
+            with self._lock:
+                # No call reaches the closed loop, and a batch handed over
+                # after the dispatcher's last look is refused here.
+                self._closed, self._loop = True, None
+                refuse_received(self.received)
 
     async def run(self) -> None:
         """Run the thread until the dispatcher stops; its crash propagates here.

@@ -27,9 +27,11 @@ import relay
 from relay.brokers.memory import MemoryBroker
 from relay.config import InboxSettings
 from relay.db import Store
-from relay.inbox import DISPATCHERS
+from relay.errors import DatabaseUnavailable
+from relay.inbox import DISPATCHERS, Dispatcher, DispatcherThread
 from relay.lifecycle import EXIT_OK, Daemon
 from relay.metrics import InboxMetrics
+from relay.rows import NewInboxRow
 from relay.wiring import inbox_dispatcher, inbox_service
 from tests.apps.handlers import mixed_registry
 from tests.apps.handlers import registry as sync_registry
@@ -466,3 +468,29 @@ async def test_a_handler_whose_statement_meets_a_read_only_database_did_not_fail
     assert effect_ids(effects) == ["ro-1"]
     assert rows(effects, "SELECT attempts, last_error FROM inbox") == [(0, None)]
     assert runs == [0, 0]
+
+
+async def test_a_batch_handed_to_a_dispatcher_that_has_stopped_is_refused_for_redelivery(
+    engine, database
+):
+    """Stopping, the receiver can still be storing a batch after a dispatcher
+    thread has ended (relay demo's --duration met this): the batch is refused
+    as unavailable, so that it stays unacknowledged for the broker to deliver
+    again, instead of crashing the daemon on the thread's closed event loop."""
+    settings = InboxSettings(database_url=database, queue=QUEUE)
+    metrics = InboxMetrics()
+
+    def make() -> tuple[Store, Dispatcher]:
+        store = Store(database)
+        return store, inbox_dispatcher(settings, store, sync_registry, metrics)
+
+    thread = DispatcherThread(make)
+    running = asyncio.ensure_future(thread.run())
+    await until(lambda: thread.dispatcher is not None)
+    thread.stop()
+    await asyncio.wait_for(running, 10)
+    row = NewInboxRow("late-1", None, "k", "Effect", "{}", None, "{}")
+    future = thread.submit([row], [1])
+    with pytest.raises(DatabaseUnavailable, match="stopping"):
+        future.result(timeout=5)
+    assert inbox_rows(engine) == []
