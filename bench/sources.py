@@ -381,6 +381,8 @@ async def trickle(
         "load_before": load,
         "load_after": loadavg(),
         "backlog": backlog,
+        # As many as the trickle's seconds held (fewer when commits ran late).
+        "committed": len(committed),
         **latency_figures(
             [(received[i] - t) * 1000 for i, t in committed.items() if i in received]
         ),

@@ -70,7 +70,11 @@ def test_the_sources_benchmark_runs_at_smoke_size():
     # Five a source and one LISTEN for the database; a sixth a source
     # while two of its jobs overlap.
     assert 11 <= figures[0]["pg_connections"] <= 13
-    assert figures[1]["rows"] == 40 and figures[1]["backlog_published_meanwhile"] == 500
+    # Every row the trickle committed arrived (20 a second for 2 s: one late
+    # commit on a loaded machine leaves 39).
+    trickle = figures[1]
+    assert 30 <= trickle["committed"] == trickle["rows"]
+    assert trickle["not_arrived_in_60s"] == 0 and trickle["backlog_published_meanwhile"] == 500
     assert figures[2]["rows"] == 500
 
 
@@ -86,7 +90,8 @@ def test_the_issue45_scenario_runs_at_smoke_size():
     )
     trickle = figures[-1]
     assert trickle["sources"] == 4 and trickle["keyed"]
-    assert trickle["rows"] == 60 and trickle["not_arrived_in_60s"] == 0
+    assert 45 <= trickle["committed"] == trickle["rows"]  # 20 a second for 3 s
+    assert trickle["not_arrived_in_60s"] == 0
     assert trickle["backlog_left_undrained"] == 0
     assert trickle["backlog_msgs_s"] > 0 and trickle["backlog_alone_msgs_s"] > 0
     assert trickle["backlog_ratio"] > 0
