@@ -506,13 +506,12 @@ class Store:
         rows: Sequence[NewInboxRow],
         statuses: Sequence[str],
         on_dead: str,
-        seqs: Sequence[int],
     ) -> dict[str, str]:
         """Begin the receiving transaction (--dispatch received): lock the
         batch's keys, in order, and insert its new rows as inbox_insert_received
         says (a row given as `processed` stays so unless its key has a row
-        waiting for the dispatchers), with the `seqs` reserved for them
-        (reserve_seqs); returns the new rows' statuses, by id.
+        waiting for the dispatchers), numbered in `seq` once the locks are
+        held; returns the new rows' statuses, by id.
         Raises Refused for a value PostgreSQL will not take (the
         transaction is then aborted), DatabaseUnavailable when it is away or
         the statement failed otherwise (a deadlock with another process's
@@ -529,18 +528,9 @@ class Store:
         with translate_errors(any_driver_error):
             idle = pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
             _exec(pgconn, "; ".join(["BEGIN", *commands] if idle else commands))
-            params = {"consumer": consumer, "rows": rows_json(rows, statuses, seqs)}
+            params = {"consumer": consumer, "rows": rows_json(rows, statuses)}
             result = conn.execute(self._insert_received(on_dead), params)
             return {message_id: status for message_id, status in result}  # noqa: C416
-
-    async def reserve_seqs(self, count: int) -> list[int]:
-        """`count` values of the inbox's `seq`, ascending: a received batch
-        stored in parts side by side (relay.inbox.Handing) keeps the order
-        of arrival in `seq`, as one INSERT would."""
-        with translate_errors():
-            async with self.connection() as conn:
-                result = await conn.execute(named("inbox_reserve_seqs"), {"count": count})
-                return [seq for (seq,) in result]
 
     @staticmethod
     @functools.cache

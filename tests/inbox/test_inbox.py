@@ -150,6 +150,40 @@ async def test_per_key_dispatch_order_with_three_inboxes(effects, rabbit, inbox)
         last[key] = n
 
 
+async def test_two_inboxes_racing_behind_slow_handlers_handle_each_key_in_seq_order(
+    effects, rabbit, inbox
+):
+    """Two daemons on one queue each get a share of every key, and a slow
+    handler holds a key's rows back in one of them while the other has more
+    of the key in hand: per key, the handlers run in the inbox's order of
+    arrival (`seq`), the order that the table, `relay status` and replay
+    show (the fault suite's slow_handler round found the receiving path
+    numbering a batch before it waited for its keys)."""
+    for _ in range(2):
+        inbox("--batch-size", "10", "--prefetch", "10")
+    count = 160
+    for n in range(count):
+        slow = n % 13 == 0
+        await publish(
+            rabbit,
+            message_id=f"s-{n}",
+            type="Slow" if slow else "Effect",
+            body=orjson.dumps({"n": n, "seconds": 0.2} if slow else {"n": n}),
+            headers={"x-relay-key": f"k{n % 4}"},
+        )
+    wait_until(lambda: len(effect_ids(effects)) == count, timeout=90)
+    last: dict[str, int] = {}
+    handled = rows(
+        effects,
+        "SELECT e.key, i.seq, e.message_id FROM effects e JOIN inbox i USING (message_id) "
+        "ORDER BY e.id",
+    )
+    assert len(handled) == count
+    for key, seq, message_id in handled:
+        assert seq > last.get(key, -1), f"{key}: {message_id} (seq {seq}) after seq {last[key]}"
+        last[key] = seq
+
+
 async def test_kill_9_of_the_inbox_takes_its_receiver_process_along(effects, rabbit, inbox):
     daemon = inbox()
     [receiver] = wait_until(lambda: receiver_processes(daemon.proc.pid))

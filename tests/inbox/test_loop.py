@@ -490,7 +490,7 @@ async def test_a_batch_handed_to_a_dispatcher_that_has_stopped_is_refused_for_re
     thread.stop()
     await asyncio.wait_for(running, 10)
     row = NewInboxRow("late-1", None, "k", "Effect", "{}", None, "{}")
-    future = thread.submit([row], [1])
+    future = thread.submit([row])
     with pytest.raises(DatabaseUnavailable, match="stopping"):
         future.result(timeout=5)
     assert inbox_rows(engine) == []

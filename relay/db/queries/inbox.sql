@@ -28,16 +28,17 @@ RETURNING message_id
 -- --on-dead block dead too), which it then waits behind as `pending`. The
 -- statement's snapshot does not see its own rows: a batch's rows of one
 -- key get one answer. The key's advisory lock, taken before, makes a
--- receiving transaction of another process on the key wait for this one.
+-- receiving transaction of another process on the key wait for this one,
+-- and the rows take their `seq` here, after it: a key's rows are numbered
+-- in the order their handlers run.
 INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
-                   status, last_error, raw_properties, processed_at, seq)
+                   status, last_error, raw_properties, processed_at)
 SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload,
        decode(m.body, 'base64'), m.headers, s.status, m.last_error,
-       CAST(m.raw_properties AS json), CASE WHEN s.status = 'processed' THEN now() END,
-       m.seq
+       CAST(m.raw_properties AS json), CASE WHEN s.status = 'processed' THEN now() END
 FROM json_to_recordset(CAST(:rows AS json))
      AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
-          headers jsonb, status text, last_error text, raw_properties text, seq bigint)
+          headers jsonb, status text, last_error text, raw_properties text)
 CROSS JOIN LATERAL (
     SELECT CASE WHEN m.status <> 'processed' THEN m.status
                 WHEN m.key IS NOT NULL AND EXISTS (
@@ -47,11 +48,6 @@ CROSS JOIN LATERAL (
                 ELSE 'processed' END) AS s(status)
 ON CONFLICT (consumer, message_id) DO NOTHING
 RETURNING message_id, status
-
--- name: inbox_reserve_seqs
--- A received batch's `seq` values, taken before its parts are stored side
--- by side (relay.inbox.Handing), so that `seq` keeps the order of arrival.
-SELECT nextval(pg_get_serial_sequence('inbox', 'seq')) FROM generate_series(1, :count) ORDER BY 1
 
 -- name: inbox_held_skip
 e.status = 'pending'
