@@ -21,7 +21,7 @@ import time
 import traceback
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from relay import batches, storable, tracing
@@ -42,7 +42,7 @@ from relay.handlers import (
 )
 from relay.metrics import InboxMetrics
 from relay.pacing import Pace
-from relay.rows import Failure, InboxRow, NewInboxRow
+from relay.rows import Failure, InboxRow, NewInboxRow, Reserved
 from relay.workers import BLOCKED_RETRY, report_failure
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ _T = TypeVar("_T")
 
 # A received batch handed to a dispatcher: its rows, their reserved `seq`
 # values, and the future of the ids that were new (DispatcherThread.submit).
-Received = tuple[Sequence[NewInboxRow], concurrent.futures.Future[set[str]]]
+Received = tuple[Sequence[NewInboxRow], Reserved, concurrent.futures.Future[set[str]]]
 
 # Dispatchers per daemon, each in a thread of its own with its own
 # connection and share of the keys (by hash, as the outbox's workers): a
@@ -238,7 +238,7 @@ class Dispatcher:
         statuses = self.store.mark_inbox_failed(conn, consumer, failed, self.max_attempts)
         return processed, failed, statuses, blocked
 
-    async def receive_batch(self, rows: Sequence[NewInboxRow]) -> set[str]:
+    async def receive_batch(self, rows: Sequence[NewInboxRow], reserved: Reserved) -> set[str]:
         """Store a received batch of this dispatcher's share and handle it in
         the same transaction (--dispatch received); returns the ids of the
         rows that were new. The rows whose key has a row waiting for the
@@ -248,7 +248,7 @@ class Dispatcher:
         it: all are the dispatchers' from there, as on the stored path.
         The transaction runs as a claimed batch's (see dispatch_batch)."""
         try:
-            outcome = await self._in_transaction(self._receive, rows)
+            outcome = await self._in_transaction(self._receive, rows, reserved)
         finally:
             self.receiving = None
             self.metrics.handler_seconds.observe_all(self.handler_times)
@@ -262,10 +262,11 @@ class Dispatcher:
         conn: Any,
         async_conn: Any,
         rows: Sequence[NewInboxRow],
+        reserved: Reserved,
     ) -> tuple[set[str], list[str], list[tuple[InboxRow, Failure, float]], dict[str, str]]:
         consumer = self.consumer_name
         offered = self._statuses(rows)
-        stored = self.store.store_received(conn, consumer, rows, offered, self.on_dead)
+        stored = self.store.store_received(conn, consumer, rows, offered, self.on_dead, reserved)
         handle: list[InboxRow] = []
         waiting = 0
         for row in rows:
@@ -320,11 +321,11 @@ class Dispatcher:
 
     async def _receive_next(self) -> None:
         """Handle the oldest batch handed over; its outcome to its future."""
-        rows, future = self.received.popleft()
+        rows, reserved, future = self.received.popleft()
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(await self.receive_batch(rows))
+            future.set_result(await self.receive_batch(rows, reserved))
         except Exception as exc:
             if connection_invalidated(exc):
                 exc = DatabaseUnavailable(f"the connection was lost: {exc}")
@@ -740,7 +741,7 @@ class Dispatcher:
 def refuse_received(received: deque[Received]) -> None:
     """Stopping: the batches not begun wait for the broker to deliver them again."""
     while received:
-        _, future = received.popleft()
+        *_, future = received.popleft()
         if future.set_running_or_notify_cancel():
             future.set_exception(DatabaseUnavailable("the inbox is stopping"))
 
@@ -771,10 +772,13 @@ class DispatcherThread:
     def wake(self) -> None:
         self._call("wake")
 
-    def submit(self, rows: Sequence[NewInboxRow]) -> concurrent.futures.Future[set[str]]:
-        """Hand a received batch to the dispatcher, to store and handle in
-        one transaction (Dispatcher.receive_batch); its future gets the ids
-        of the rows that were new, or the error."""
+    def submit(
+        self, rows: Sequence[NewInboxRow], reserved: Reserved
+    ) -> concurrent.futures.Future[set[str]]:
+        """Hand a received batch to the dispatcher, to store (with the `seq`
+        values reserved for it) and handle in one transaction
+        (Dispatcher.receive_batch); its future gets the ids of the rows that
+        were new, or the error."""
         future: concurrent.futures.Future[set[str]] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
@@ -782,7 +786,7 @@ class DispatcherThread:
                 # dispatchers stop: it stays unacknowledged, for redelivery.
                 future.set_exception(DatabaseUnavailable("the inbox is stopping"))
                 return future
-            self.received.append((rows, future))
+            self.received.append((rows, reserved, future))
             if self._loop is not None and self.dispatcher is not None:
                 self._loop.call_soon_threadsafe(self.dispatcher.take)
         return future
@@ -931,14 +935,20 @@ class Handing:
     The split is by the key's CRC-32 (a keyless message's by its id), so
     a batch's rows of a key are handled in one transaction, in order; the
     keys' advisory locks (relay.db.store.key_lock) order the transactions
-    of the daemons that receive from one queue. A part's rows take their
-    `seq` in its INSERT, after those locks, so that a key's `seq` is the
-    order its handlers ran in, across daemons too; the parts of one batch
-    are numbered as they commit, so across keys `seq` is the order of
-    storing, not of arrival (docs/inbox.md)."""
+    of the daemons that receive from one queue. The batch's `seq` values
+    are taken first, in one round trip, so that `seq` keeps the order of
+    arrival across the parts, as one INSERT would; a part that another
+    daemon's transaction on its keys overtook meanwhile is numbered anew
+    (Store.store_received), so that a key's `seq` is the order its
+    handlers ran in."""
 
-    def __init__(self, threads: Sequence[DispatcherThread]) -> None:
+    def __init__(
+        self,
+        threads: Sequence[DispatcherThread],
+        reserve: Callable[[int], Awaitable[Reserved]],
+    ) -> None:
         self.threads = threads
+        self.reserve = reserve  # Store.reserve_seqs: `seq` in arrival order
 
     async def insert(self, consumer: str, batch: Sequence[NewInboxRow]) -> set[str]:
         """Store and handle `batch`; returns the ids that were new. Raises
@@ -947,13 +957,16 @@ class Handing:
         if not batch:
             return set()
         count = len(self.threads)
-        parts: list[list[NewInboxRow]] = [[] for _ in range(count)]
-        for row in batch:
-            parts[_share(row, count)].append(row)
+        reserved = await self.reserve(len(batch))
+        parts: list[tuple[list[NewInboxRow], list[int]]] = [([], []) for _ in range(count)]
+        for row, seq in zip(batch, reserved.seqs, strict=True):
+            rows, numbers = parts[_share(row, count)]
+            rows.append(row)
+            numbers.append(seq)
         futures = [
-            asyncio.wrap_future(thread.submit(part))
-            for thread, part in zip(self.threads, parts, strict=True)
-            if part
+            asyncio.wrap_future(thread.submit(rows, Reserved(numbers, reserved.at)))
+            for thread, (rows, numbers) in zip(self.threads, parts, strict=True)
+            if rows
         ]
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         new: set[str] = set()

@@ -56,6 +56,14 @@ class InboxRow(NamedTuple):
     attempts: int
 
 
+class Reserved(NamedTuple):
+    """`seq` values reserved for received rows, ascending, in their order of
+    arrival, and the server's time when they were (Store.reserve_seqs)."""
+
+    seqs: list[int]
+    at: datetime
+
+
 @dataclass(frozen=True, slots=True)
 class NewInboxRow:
     """A received message ready for the receiver's INSERT (relay.db.writer)."""

@@ -461,7 +461,7 @@ def inbox_service(
     parts = receiver_parts(settings, consumer)
     # --dispatch received: the receiver hands its batches to the
     # dispatchers, which store and handle them (docs/inbox.md).
-    handing = Handing(dispatchers) if direct else None
+    handing = Handing(dispatchers, store.reserve_seqs) if direct else None
     receiver: ReceiverProcess | LocalReceiver
     if receiver_process:
         if handing is not None:

@@ -37,7 +37,7 @@ from relay.db.sql import claim, query
 from relay.db.writer import rows_json
 from relay.errors import DatabaseUnavailable
 from relay.limits import clean_error
-from relay.rows import Failure, InboxRow, NewInboxRow
+from relay.rows import Failure, InboxRow, NewInboxRow, Reserved
 
 log = logging.getLogger(__name__)
 
@@ -506,12 +506,15 @@ class Store:
         rows: Sequence[NewInboxRow],
         statuses: Sequence[str],
         on_dead: str,
+        reserved: Reserved,
     ) -> dict[str, str]:
         """Begin the receiving transaction (--dispatch received): lock the
         batch's keys, in order, and insert its new rows as inbox_insert_received
         says (a row given as `processed` stays so unless its key has a row
-        waiting for the dispatchers), numbered in `seq` once the locks are
-        held; returns the new rows' statuses, by id.
+        waiting for the dispatchers), with the `seq` values reserved for
+        them (reserve_seqs), unless another transaction on their keys has
+        handled a row numbered after them since: then numbered anew, after
+        it (inbox_insert_received); returns the new rows' statuses, by id.
         Raises Refused for a value PostgreSQL will not take (the
         transaction is then aborted), DatabaseUnavailable when it is away or
         the statement failed otherwise (a deadlock with another process's
@@ -528,9 +531,25 @@ class Store:
         with translate_errors(any_driver_error):
             idle = pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
             _exec(pgconn, "; ".join(["BEGIN", *commands] if idle else commands))
-            params = {"consumer": consumer, "rows": rows_json(rows, statuses)}
+            keys = sorted({row.key for row in rows if row.key is not None})
+            params = {
+                "consumer": consumer,
+                "rows": rows_json(rows, statuses, reserved.seqs),
+                "since": reserved.at,
+                "low": reserved.seqs[0],
+                "keys": orjson.dumps(keys).decode(),
+            }
             result = conn.execute(self._insert_received(on_dead), params)
             return {message_id: status for message_id, status in result}  # noqa: C416
+
+    async def reserve_seqs(self, count: int) -> Reserved:
+        """`count` values of the inbox's `seq`, ascending, and when: a
+        received batch stored in parts side by side (relay.inbox.Handing)
+        keeps the order of arrival in `seq`, as one INSERT would."""
+        with translate_errors():
+            async with self.connection() as conn:
+                result = (await conn.execute(named("inbox_reserve_seqs"), {"count": count})).all()
+                return Reserved([seq for seq, _ in result], result[0][1])
 
     @staticmethod
     @functools.cache

@@ -29,14 +29,15 @@ INSERT_INBOX = pyformat(query("inbox_insert"))
 def rows_json(
     batch: Sequence[NewInboxRow],
     statuses: Sequence[str] | None = None,
+    seqs: Sequence[int] | None = None,
 ) -> Json:
     """A received batch as the JSON array INSERT_INBOX reads. Payloads and
     headers are JSON texts already (checked when received): they go in as
     they are. The array is made here, as bytes, once: psycopg sends them as
     they are (a json parameter), where a text parameter cost two more copies
     of the batch's bodies (orjson's bytes decoded, then encoded again).
-    `statuses`: the rows' statuses, if not their own (the receiving
-    transaction's, Store.store_received)."""
+    `statuses`: the rows' statuses, if not their own, and `seqs`, their
+    reserved `seq` (the receiving transaction's, Store.store_received)."""
     rows: list[dict[str, object]] = [
         {
             "message_id": m.message_id,
@@ -53,6 +54,9 @@ def rows_json(
         }
         for i, m in enumerate(batch)
     ]
+    if seqs is not None:
+        for row, seq in zip(rows, seqs, strict=True):
+            row["seq"] = seq
     data = orjson.dumps(rows)
     return Json(None, dumps=lambda _: data)
 

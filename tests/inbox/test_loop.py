@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import re
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, Self
 
 import orjson
@@ -31,7 +32,7 @@ from relay.errors import DatabaseUnavailable
 from relay.inbox import DISPATCHERS, Dispatcher, DispatcherThread
 from relay.lifecycle import EXIT_OK, Daemon
 from relay.metrics import InboxMetrics
-from relay.rows import NewInboxRow
+from relay.rows import NewInboxRow, Reserved
 from relay.wiring import inbox_dispatcher, inbox_service
 from tests.apps.handlers import mixed_registry
 from tests.apps.handlers import registry as sync_registry
@@ -490,7 +491,7 @@ async def test_a_batch_handed_to_a_dispatcher_that_has_stopped_is_refused_for_re
     thread.stop()
     await asyncio.wait_for(running, 10)
     row = NewInboxRow("late-1", None, "k", "Effect", "{}", None, "{}")
-    future = thread.submit([row])
+    future = thread.submit([row], Reserved([1], datetime.now(UTC)))
     with pytest.raises(DatabaseUnavailable, match="stopping"):
         future.result(timeout=5)
     assert inbox_rows(engine) == []

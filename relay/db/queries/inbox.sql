@@ -28,17 +28,35 @@ RETURNING message_id
 -- --on-dead block dead too), which it then waits behind as `pending`. The
 -- statement's snapshot does not see its own rows: a batch's rows of one
 -- key get one answer. The key's advisory lock, taken before, makes a
--- receiving transaction of another process on the key wait for this one,
--- and the rows take their `seq` here, after it: a key's rows are numbered
--- in the order their handlers run.
+-- receiving transaction of another process on the key wait for this one.
+--
+-- The rows come with the `seq` values reserved for them in arrival order
+-- (inbox_reserve_seqs, at :since), unless the part is late: another
+-- transaction, holding a key of the part's (:keys) after the reservation,
+-- has handled a row of it numbered after the part's first (:low). Such a
+-- row was numbered after :since and processed in a transaction begun
+-- later still (its processed_at), so the look is a short walk of the rows
+-- processed since. A late part's rows are numbered anew here, in order,
+-- after every row of its keys, as the order its handlers run in. (A row of
+-- the part's keys left pending there is found by {held} instead: this
+-- part waits behind it, and the dispatchers go by `seq`.)
 INSERT INTO inbox (consumer, message_id, topic, key, type, payload, body, headers,
-                   status, last_error, raw_properties, processed_at)
+                   status, last_error, raw_properties, processed_at, seq)
 SELECT :consumer, m.message_id, m.topic, m.key, m.type, m.payload,
        decode(m.body, 'base64'), m.headers, s.status, m.last_error,
-       CAST(m.raw_properties AS json), CASE WHEN s.status = 'processed' THEN now() END
-FROM json_to_recordset(CAST(:rows AS json))
+       CAST(m.raw_properties AS json), CASE WHEN s.status = 'processed' THEN now() END,
+       CASE WHEN late.late THEN nextval(pg_get_serial_sequence('inbox', 'seq')) ELSE m.seq END
+FROM (
+    SELECT EXISTS (
+        SELECT 1 FROM inbox e
+        WHERE e.status = 'processed' AND e.processed_at >= CAST(:since AS timestamptz)
+        AND e.consumer = :consumer AND e.seq > :low
+        AND e.key = ANY(ARRAY(SELECT json_array_elements_text(CAST(:keys AS json))))
+    ) AS late
+) AS late
+CROSS JOIN json_to_recordset(CAST(:rows AS json))
      AS m(message_id text, topic text, key text, type text, payload jsonb, body text,
-          headers jsonb, status text, last_error text, raw_properties text)
+          headers jsonb, status text, last_error text, raw_properties text, seq bigint)
 CROSS JOIN LATERAL (
     SELECT CASE WHEN m.status <> 'processed' THEN m.status
                 WHEN m.key IS NOT NULL AND EXISTS (
@@ -48,6 +66,13 @@ CROSS JOIN LATERAL (
                 ELSE 'processed' END) AS s(status)
 ON CONFLICT (consumer, message_id) DO NOTHING
 RETURNING message_id, status
+
+-- name: inbox_reserve_seqs
+-- A received batch's `seq` values, taken before its parts are stored side
+-- by side (relay.inbox.Handing), so that `seq` keeps the order of arrival,
+-- and the time the statement began (inbox_insert_received's :since).
+SELECT nextval(pg_get_serial_sequence('inbox', 'seq')), statement_timestamp()
+FROM generate_series(1, :count) ORDER BY 1
 
 -- name: inbox_held_skip
 e.status = 'pending'
