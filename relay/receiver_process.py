@@ -230,8 +230,11 @@ ToParent = Alive | Stored | Readings | ConfigProblem | Store
 def _send(writer: asyncio.StreamWriter, message: ToChild | ToParent) -> None:
     if writer.is_closing():  # the other end has gone: nobody to tell
         return
-    data = pickle.dumps(message)
-    writer.write(len(data).to_bytes(4, "big") + data)
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    # Two writes, not one of the two joined: a batch of large bodies is not
+    # copied once more on its way out (relay.budget).
+    writer.write(len(data).to_bytes(4, "big"))
+    writer.write(data)
 
 
 async def _receive(reader: asyncio.StreamReader) -> ToChild | ToParent | None:
