@@ -246,10 +246,21 @@ class Dispatcher:
         handler fails is stored `pending` (or `dead`) with the attempt
         counted, every later row of its key in the batch `pending` after
         it: all are the dispatchers' from there, as on the stored path.
-        The transaction runs as a claimed batch's (see dispatch_batch)."""
+        The transaction runs as a claimed batch's (see dispatch_batch).
+
+        The rows are held under the daemon's byte budget as a claim's are
+        (their payloads, bodies and headers): the dispatchers' parts of a
+        batch of large bodies go one after another, and a part larger
+        than the whole budget goes alone, as the claims' rows do."""
+        size = sum(_received_bytes(row) for row in rows)
+        grant = await self.budget.take(size, self.stopping)
+        if not grant:
+            raise DatabaseUnavailable("the inbox is stopping")
+        self.budget.claimed(grant, grant)
         try:
             outcome = await self._in_transaction(self._receive, rows, reserved)
         finally:
+            self.budget.release(grant)
             self.receiving = None
             self.metrics.handler_seconds.observe_all(self.handler_times)
             self.handler_times.clear()
@@ -736,6 +747,17 @@ class Dispatcher:
                 claim_at = time.monotonic() + (BLOCKED_RETRY if blocked else self.poll_interval)
         finally:
             refuse_received(self.received)
+
+
+def _received_bytes(row: NewInboxRow) -> int:
+    """A received row's size as the budget counts a claimed one's."""
+    return (
+        len(row.payload or "")
+        + len(row.body or b"")
+        + len(row.headers)
+        + len(row.raw_properties or "")
+        + 1
+    )
 
 
 def refuse_received(received: deque[Received]) -> None:

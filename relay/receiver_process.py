@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,23 +228,68 @@ ToChild = Start | Lead | Stop | StoreDone
 ToParent = Alive | Stored | Readings | ConfigProblem | Store
 
 
+# The slices a large message goes through the socket pair in (bytes), and
+# the messages held back while one goes (see _send_large), by writer.
+SLICE = 256 * 1024
+_sending_large: weakref.WeakKeyDictionary[asyncio.StreamWriter, list[bytes]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _send(writer: asyncio.StreamWriter, message: ToChild | ToParent) -> None:
     if writer.is_closing():  # the other end has gone: nobody to tell
         return
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    # Two writes, not one of the two joined: a batch of large bodies is not
-    # copied once more on its way out (relay.budget).
-    writer.write(len(data).to_bytes(4, "big"))
-    writer.write(data)
+    frame = [len(data).to_bytes(4, "big"), data]
+    held = _sending_large.get(writer)
+    if held is not None:  # a batch is going out a slice at a time: after it
+        held += frame
+        return
+    for part in frame:  # not joined: no copy of a large message
+        writer.write(part)
+
+
+async def _send_large(writer: asyncio.StreamWriter, message: ToParent) -> None:
+    """_send for a batch (Store), a slice at a time as the socket takes
+    them: the transport's buffer never holds a second copy of it."""
+    if writer.is_closing():
+        return
+    data = memoryview(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    held: list[bytes] = []
+    _sending_large[writer] = held  # the other messages wait for the end of it
+    try:
+        writer.write(len(data).to_bytes(4, "big"))
+        for start in range(0, len(data), SLICE):
+            writer.write(data[start : start + SLICE])
+            await writer.drain()
+    except ConnectionError:
+        return  # the daemon has gone: RemoteWriter.gone answers the batch
+    finally:
+        del _sending_large[writer]
+        if not writer.is_closing():
+            for part in held:
+                writer.write(part)
 
 
 async def _receive(reader: asyncio.StreamReader) -> ToChild | ToParent | None:
-    """The next message, or None when the other end has gone."""
+    """The next message, or None when the other end has gone. A large one
+    (a batch) is read into one buffer of its size, not gathered in the
+    reader's and copied out twice (relay.budget)."""
     try:
-        head = await reader.readexactly(4)
-        message: ToChild | ToParent = pickle.loads(
-            await reader.readexactly(int.from_bytes(head, "big"))
-        )
+        size = int.from_bytes(await reader.readexactly(4), "big")
+        if size <= SLICE:
+            data: bytes | bytearray = await reader.readexactly(size)
+        else:
+            data = bytearray(size)
+            view, got = memoryview(data), 0
+            while got < size:
+                chunk = await reader.read(min(size - got, SLICE))
+                if not chunk:
+                    return None
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+            del view
+        message: ToChild | ToParent = pickle.loads(data)
         return message
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
@@ -494,7 +540,7 @@ class RemoteWriter:
         answer: asyncio.Future[StoreDone] = asyncio.get_running_loop().create_future()
         self._waiting[number] = answer
         try:
-            _send(self._writer, Store(number, consumer, list(batch)))
+            await _send_large(self._writer, Store(number, consumer, list(batch)))
             done = await answer
         finally:
             self._waiting.pop(number, None)
