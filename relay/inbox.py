@@ -809,8 +809,9 @@ class DispatcherThread:
                 future.set_exception(DatabaseUnavailable("the inbox is stopping"))
                 return future
             self.received.append((rows, reserved, future))
-            if self._loop is not None and self.dispatcher is not None:
-                self._loop.call_soon_threadsafe(self.dispatcher.take)
+        # Should the thread close meanwhile, _close has refused the batch and
+        # this does nothing.
+        self._call("take")
         return future
 
     def stop(self) -> None:
@@ -829,16 +830,20 @@ class DispatcherThread:
             try:
                 await dispatcher.run()
             finally:
+                self._close()  # while the loop still runs: _call never meets it closed
                 await store.close()
 
         try:
             asyncio.run(body())
         finally:
-            with self._lock:
-                # No call reaches the closed loop, and a batch handed over
-                # after the dispatcher's last look is refused here.
-                self._closed, self._loop = True, None
-                refuse_received(self.received)
+            self._close()  # also when _make failed
+
+    def _close(self) -> None:
+        """No call reaches the loop from here on, and a batch handed over
+        after the dispatcher's last look is refused (it stays unacknowledged)."""
+        with self._lock:
+            self._closed, self._loop = True, None
+            refuse_received(self.received)
 
     async def run(self) -> None:
         """Run the thread until the dispatcher stops; its crash propagates here.

@@ -519,7 +519,8 @@ class Store:
         transaction is then aborted), DatabaseUnavailable when it is away or
         the statement failed otherwise (a deadlock with another process's
         transaction on a redelivered message)."""
-        locks = sorted({key_lock(consumer, row.key) for row in rows if row.key is not None})
+        keys = sorted({row.key for row in rows if row.key is not None})
+        locks = sorted({key_lock(consumer, key) for key in keys})
         commands = [QUIET]
         if locks:
             numbers = ",".join(map(str, locks))
@@ -531,7 +532,6 @@ class Store:
         with translate_errors(any_driver_error):
             idle = pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
             _exec(pgconn, "; ".join(["BEGIN", *commands] if idle else commands))
-            keys = sorted({row.key for row in rows if row.key is not None})
             params = {
                 "consumer": consumer,
                 "rows": rows_json(rows, statuses, reserved.seqs),
