@@ -9,6 +9,7 @@ publishes those rows again (at least once, same message id).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -44,6 +45,21 @@ log = logging.getLogger(__name__)
 WORKERS = 4
 # Unroutable messages are logged once per topic per this many seconds.
 UNROUTABLE_LOG_INTERVAL = 60.0
+
+
+@dataclasses.dataclass
+class ClaimedBatch:
+    """A claimed batch (OutboxRelay.claim_batch): the worker whose session
+    holds its transaction, the rows to publish, how many were left blocked,
+    the bytes of the budget it holds, and whether the budget took every row
+    it found (not: stopped short)."""
+
+    worker: int
+    session: OutboxSession
+    rows: list[OutboxRow]
+    blocked: int
+    used: int
+    whole: bool
 
 
 class OutboxRelay:
@@ -158,7 +174,6 @@ class OutboxRelay:
         workers: int = 1,
         *,
         every_key: bool = False,
-        ids: list[str] | None = None,
     ) -> tuple[int, int]:
         """Claim, publish and mark one batch: the rows of `worker`'s share of
         the keys (of `workers` shares), or with every_key those of all keys,
@@ -171,46 +186,99 @@ class OutboxRelay:
         ShareBusy (nothing claimed) when the share's lock stayed held by
         another relay's worker, or with every_key when one share was held
         elsewhere: the locks, one per share across every relay, are how no
-        two relays claim rows of the same keys at once.
+        two relays claim rows of the same keys at once."""
+        batch = await self.claim_batch(worker, workers, every_key=every_key)
+        if batch is None:
+            return 0, 0  # stopping
+        return await self.send_batch(batch)
+
+    async def claim_batch(
+        self,
+        worker: int = 0,
+        workers: int = 1,
+        *,
+        every_key: bool = False,
+        ids: list[str] | None = None,
+        before: list[str] | None = None,
+    ) -> ClaimedBatch | None:
+        """publish_batch's first half: the claim (None: stopping). Its
+        transaction stays open until send_batch or abandon ends it.
 
         With `ids` (and every_key), the batch is those rows, as far as they
         are pending and due and no earlier row of their key holds them
-        back, published in the order given (a replication slot's commit
-        order: relay.capture) rather than by seq."""
+        back, in the order given (a replication slot's commit order:
+        relay.capture) rather than by seq; `before` are the rows of the
+        batch sent ahead of this one, which hold none of these back
+        (relay.db.OutboxSession.claim)."""
         session = self._sessions.get(worker)
         if session is None:
             session = self._sessions[worker] = self.store.outbox_session(self.on_dead, WORKERS)
         # A claim of every key leaves out the shares this relay's own
-        # batches hold: their rows it skips, as one relay's workers always did.
-        held = frozenset[int]().union(*self._holding.values()) if every_key else frozenset()
+        # workers hold: their rows it skips, as one relay's workers always
+        # did. (Not those of the sessions past the workers', a slot's
+        # reader's: its two batches both take every share, shared.)
+        held = (
+            frozenset[int]().union(
+                *(v for w, v in self._holding.items() if w != worker and w < WORKERS)
+            )
+            if every_key
+            else frozenset()
+        )
         grant = await self.budget.take(self._need.get(worker), self.stopping)
         if not grant:
-            return 0, 0  # stopping
-        used = 0
+            return None
         try:
             share = (0, 1) if every_key else (worker, workers)
             rows, blocked, used, need = await session.claim(
-                self.batch_size,
+                len(ids) if ids is not None else self.batch_size,
                 *share,
                 held=held,
                 budget=grant,
                 alone=self.budget.alone(grant),
                 ids=ids,
+                before=before or (),
             )
-            self.budget.claimed(grant, used)
-            grant = 0
-            self._need[worker] = need
-            self._holding[worker] = (
-                frozenset(range(WORKERS)) - held if every_key else frozenset({worker})
-            )
+        except BaseException:
+            await session.abort()
+            self.budget.claimed(grant, 0)
+            raise
+        self.budget.claimed(grant, used)
+        self._need[worker] = need
+        self._holding[worker] = (
+            frozenset(range(WORKERS)) - held if every_key else frozenset({worker})
+        )
+        if ids is not None:
+            # Commit order; per key it is seq order (the producers'
+            # trigger draws a key's seq only once its earlier rows committed).
+            place = {row_id: n for n, row_id in enumerate(ids)}
+            rows.sort(key=lambda row: place.get(row.id, 0))
+        return ClaimedBatch(worker, session, rows, blocked, used, need is None)
+
+    async def abandon(self, batch: ClaimedBatch) -> None:
+        """End a claimed batch unsent: its rows stay pending, as they were."""
+        try:
+            await batch.session.abort()
+        finally:
+            self._holding.pop(batch.worker, None)
+            self._need.pop(batch.worker, None)
+            self.budget.release(batch.used)
+
+    async def send_batch(
+        self, batch: ClaimedBatch, settled: Callable[[bool], None] | None = None
+    ) -> tuple[int, int]:
+        """publish_batch's second half: publish the claimed rows, mark them
+        and commit. `settled`, if given, is told once the broker answered
+        for every row, before the marks, whether the batch went out whole:
+        every row published, none failed, held back or left by the budget
+        (what lets the reader of a slot send its next batch: relay.capture)."""
+        worker, session, rows = batch.worker, batch.session, batch.rows
+        used = batch.used
+        try:
             if not rows:
+                if settled is not None:
+                    settled(batch.blocked == 0 and batch.whole)
                 await session.finish(())
-                return 0, blocked
-            if ids is not None:
-                # Commit order; per key it is seq order (the producers'
-                # trigger draws a key's seq only once its earlier rows committed).
-                place = {row_id: n for n, row_id in enumerate(ids)}
-                rows.sort(key=lambda row: place.get(row.id, 0))
+                return 0, batch.blocked
             started = time.perf_counter()
             spans = self._start_spans(rows) if tracing.enabled else None
             results = await self.publisher.publish(rows)
@@ -237,6 +305,8 @@ class OutboxRelay:
                     self._note_unroutable(row)
                 elif isinstance(result, Failure):
                     failed.append((row, result, self.backoff.delay(row.attempts + 1)))
+            if settled is not None:
+                settled(len(published) == len(rows) and batch.blocked == 0 and batch.whole)
             statuses = await session.finish(
                 [row.id for row in published], failed, self.max_attempts
             )
@@ -245,8 +315,6 @@ class OutboxRelay:
             raise
         finally:
             self._holding.pop(worker, None)
-            if grant:  # the claim itself failed
-                self.budget.claimed(grant, 0)
             self.budget.release(used)
         self.metrics.published.inc(len(published))
         for row, failure, delay in failed:
@@ -268,7 +336,7 @@ class OutboxRelay:
         # failed row of their key, or unconfirmed because the connection broke.
         if Outcome.RELEASE in results and not self.publisher.connected:
             raise BrokerUnavailable("connection lost before every confirm arrived")
-        return len(rows), blocked
+        return len(rows), batch.blocked
 
     def stopped_short(self, worker: int) -> bool:
         """Whether the worker's last claim stopped at a row its share of the

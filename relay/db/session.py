@@ -45,9 +45,11 @@ _UUID_LIST = re.compile(r"[0-9a-fA-F,-]*").fullmatch
 # The prepared statements' parameters, in order: relay_claim(int, int, int,
 # bigint, int) and relay_mark(uuid[]).
 _CLAIM_PARAMETERS = ("limit", "worker", "workers", "budget", "alone")
-# outbox_claim_ids's, the ids written in as a literal array (checked UUIDs).
-_CLAIM_IDS_PARAMETERS = ("ids", "limit", "budget", "alone")
+# outbox_claim_ids's, the ids (and the rows before them) written in as
+# literal arrays (checked UUIDs).
+_CLAIM_IDS_PARAMETERS = ("ids", "limit", "budget", "alone", "before")
 _IDS_PARAMETER = re.compile(r"\$1(?!\d)")
+_BEFORE_PARAMETER = re.compile(r"\$5(?!\d)")
 _SORT_IDS = "SET LOCAL enable_sort = on"
 # No byte budget: a claim's default (the tests', `relay retry`'s).
 UNBOUNDED = 1 << 62
@@ -69,6 +71,7 @@ SHARE_LOCK_CLASS = namespace.SHARE_LOCK_CLASS
 SHARE_WAIT_MS = 1000
 _SHARE_WAIT = numbered(query("outbox_share_wait"), ["timeout", "class", "share"])
 _SHARES_TRY = numbered(query("outbox_shares_try"), ["class", "shares"])
+_SHARES_TRY_SHARED = numbered(query("outbox_shares_try_shared"), ["class", "shares"])
 
 
 class Claimed(NamedTuple):
@@ -182,6 +185,7 @@ class OutboxSession:
         self.pooled = False
         self._claim_sql = ""  # for the server's version, once connected
         self._claim_ids_sql = ""
+        self._claim_ids_before_sql = ""
 
     async def claim(
         self,
@@ -193,6 +197,7 @@ class OutboxSession:
         budget: int = UNBOUNDED,
         alone: bool = True,
         ids: Sequence[str] | None = None,
+        before: Sequence[str] = (),
     ) -> Claimed:
         """Begin a batch's transaction and lock due rows of this worker's
         share of the keys (or, with workers 1, of every key); returns the
@@ -211,7 +216,11 @@ class OutboxSession:
 
         With `ids` (a claim of every key), only those rows are claimed, as
         they are due (outbox_claim_ids: the rows a replication slot
-        delivered, relay outbox --capture wal)."""
+        delivered, relay outbox --capture wal), under every share's lock
+        taken shared: the WAL reader's next batch is claimed, on another
+        session, while the one `before` it goes out, and those rows hold
+        none of this one's back (the reader publishes it only once they
+        went out whole: relay.capture)."""
         every_key = workers == 1
         if ids is not None and not every_key:
             raise ValueError("a claim of given rows is a claim of every key")
@@ -223,14 +232,20 @@ class OutboxSession:
             args = [int(limit), int(worker), int(workers), int(budget), int(alone)]
             if every_key:
                 tried = [share_key(s, self.shares) for s in range(self.shares) if s not in held]
-                lock = _written(_SHARES_TRY, [self.lock_class, tried])
+                tries = _SHARES_TRY if ids is None else _SHARES_TRY_SHARED
+                lock = _written(tries, [self.lock_class, tried])
             else:
                 lock = _share_wait(share_key(worker, workers), self.lock_class)
             if ids is not None:
                 listed = ",".join(ids)
-                if not _UUID_LIST(listed):
-                    raise ValueError(f"not a list of UUIDs: {listed[:80]!r}")
-                written = _IDS_PARAMETER.sub(f"'{{{listed}}}'", self._claim_ids_sql)
+                earlier = ",".join(before)
+                if not _UUID_LIST(listed) or not _UUID_LIST(earlier):
+                    raise ValueError(f"not a list of UUIDs: {(listed or earlier)[:80]!r}")
+                if before:
+                    written = _BEFORE_PARAMETER.sub(f"'{{{earlier}}}'", self._claim_ids_before_sql)
+                else:
+                    written = self._claim_ids_sql
+                written = _IDS_PARAMETER.sub(f"'{{{listed}}}'", written)
                 claim = _written(written, [0, int(limit), int(budget), int(alone)])
                 # Sorting the rows found by id costs less than the walk of
                 # the pending index in seq order that enable_sort=off would
@@ -331,6 +346,10 @@ class OutboxSession:
             )
             self._claim_ids_sql = numbered(
                 claim("outbox", self.on_dead, conn.info.server_version, which="_ids"),
+                _CLAIM_IDS_PARAMETERS,
+            )
+            self._claim_ids_before_sql = numbered(
+                claim("outbox", self.on_dead, conn.info.server_version, which="_ids", before=True),
                 _CLAIM_IDS_PARAMETERS,
             )
             if self.pooled:

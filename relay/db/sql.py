@@ -87,17 +87,27 @@ COMPRESSION_KNOWN = 140000
 
 
 def claim(
-    table: str, on_dead: str, server_version: int = COMPRESSION_KNOWN, *, which: str = ""
+    table: str,
+    on_dead: str,
+    server_version: int = COMPRESSION_KNOWN,
+    *,
+    which: str = "",
+    before: bool = False,
 ) -> str:
     """The claim of `table` (outbox, inbox) under the --on-dead policy (skip,
     block): the query with its `{dead}` slot filled from a fixed choice, and
     its `{size}` slot with the payload's size for that server version. The
     outbox's claims share their end (`{tail}`: outbox_claim_tail); `which`
-    names another of them (`_ids`: outbox_claim_ids, the WAL capture's)."""
+    names another of them (`_ids`: outbox_claim_ids, the WAL capture's),
+    and `before` gives that one the `:before` rows that hold nothing back
+    (outbox_claim_before_ids)."""
     size = _SIZE if server_version >= COMPRESSION_KNOWN else _SIZE_13
     text = query(f"{table}_claim{which}")
     if "{tail}" in text:
         text = text.replace("{tail}", query(f"{table}_claim_tail"))
+    if "{before}" in text:
+        ours = query(f"{table}_claim_before_{'ids' if before else 'none'}")
+        text = text.replace("{before}", f"\n             {ours}" if ours else "")
     return text.replace("{dead}", query(f"{table}_claim_dead_{on_dead}")).replace("{size}", size)
 
 

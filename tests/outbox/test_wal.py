@@ -315,6 +315,9 @@ async def test_an_unreachable_broker_holds_the_slot_behind_unpublished_rows(
         relay.wait_for_log("reading replication slot")
         insert(wal_db, 3)
         await received(rabbit, queue, 3)
+        # Cut only once the three are marked: a confirm cut on its way back
+        # leaves its row pending, to go out again (at least once).
+        await until(lambda: statuses(wal_db) == {"published": 3}, timeout=30)
         proxy.stop()
         ids = insert(wal_db, 5, keys=["k"])
         after = wal_db.execute("SELECT pg_current_wal_lsn()::text")[0][0]
@@ -463,6 +466,100 @@ async def test_a_failed_row_holds_its_key_and_the_slot(wal_db: WalDb):
         insert(wal_db, 1)
         run.capture.wake()
         await until(lambda: confirmed_at_least(wal_db, end), timeout=30)
+
+
+def insert_one_transaction(db: WalDb, keys: list[str | None]) -> list[str]:
+    """One row of each of `keys`, in that order, in one transaction; their ids."""
+    ids = [str(uuid.uuid4()) for _ in keys]
+    with db.server.connect(db.name) as conn, conn.transaction():
+        for row_id, key in zip(ids, keys, strict=True):
+            conn.execute(
+                "INSERT INTO outbox (id, topic, key, payload) VALUES (%s, 'wal.test', %s, '{}')",
+                (row_id, key),
+            )
+    return ids
+
+
+async def test_batches_claimed_ahead_go_out_in_commit_order_with_every_key(wal_db: WalDb):
+    # --batch-size 1: the slot's rows go in batches of four (one per worker),
+    # each claimed while the one before it is out. Rows of one key in
+    # consecutive batches: the batch before holds none of the next back.
+    keys: list[str | None] = [random.choice(["a", "b", "c", None]) for _ in range(41)]
+    async with Capture(wal_db, batch_size=1, poll_interval=30.0) as run:
+        await asyncio.sleep(0.5)  # the claim's drain of the empty table is over
+        ids = insert_one_transaction(wal_db, keys)
+        run.capture.wake()
+        await until(lambda: statuses(wal_db) == {"published": len(ids)}, timeout=30)
+        sent = [m.message_id for m in run.broker.take("all")]
+    # Each once, in commit order: none was left to the claim (whose
+    # --poll-interval of 30 s is past the test's wait).
+    assert sent == ids
+
+
+async def test_a_failed_row_holds_its_key_in_the_batch_claimed_after_it(wal_db: WalDb):
+    keys: list[str | None] = ["k", "x", "y", "z", "k", "x", "k", "y", "z", "k", "x", "y"]
+    async with Capture(wal_db, batch_size=1, max_attempts=5) as run:
+        await asyncio.sleep(0.5)
+        ids = insert_one_transaction(wal_db, keys)
+        first = ids[0]
+        run.broker.nack_when(lambda row: row.id == first and row.attempts < 2)
+        run.broker.slow_confirms(0.2)  # the next batch is claimed before the answer
+        run.capture.wake()
+        await until(lambda: statuses(wal_db) == {"published": len(ids)}, timeout=30)
+        sent = [m.message_id for m in run.broker.take("all")]
+    of_k = [row_id for row_id, key in zip(ids, keys, strict=True) if key == "k"]
+    # The head of key k failed twice: no later row of k went out before it,
+    # those of the batches claimed ahead neither; each row once.
+    assert [i for i in sent if i in of_k] == of_k
+    assert sorted(sent) == sorted(ids)
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["clean", "a-head-fails"])
+async def test_rows_committed_while_a_read_goes_out_follow_it_in_order(
+    wal_db: WalDb, failing: bool
+):
+    # Transactions committed one after another while the rows before them
+    # are out (confirms slowed): a round takes them behind what it sends
+    # (WalCapture._publish_all's `more`), in commit order, with the claim's
+    # per-key rules; a key's head failing holds its later rows, whichever
+    # read brought them.
+    rng = random.Random()
+    # Key k first in the third transaction, which reaches the broker while
+    # the first two go out: its rows fail twice each, when `failing`.
+    batches: list[list[str | None]] = [
+        [rng.choice(["k", "x", "y", None]) if n > 2 else rng.choice(["x", "y", None])]
+        + [rng.choice(["k", "x", "y", None]) for _ in range(rng.randint(0, 3))]
+        for n in range(8)
+    ]
+    batches[2][0] = "k"
+    for keys in batches[:2]:
+        keys[:] = ["x" if key == "k" else key for key in keys]
+    # A failed row is retried by the table's claim, at --poll-interval; clean,
+    # the claim (30 s) never runs within the test: the slot brought them all.
+    poll = 0.5 if failing else 30.0
+    async with Capture(wal_db, batch_size=1, poll_interval=poll, max_attempts=5) as run:
+        await asyncio.sleep(0.5)  # the claim's drain of the empty table is over
+        run.broker.slow_confirms(0.05)
+        if failing:
+            run.broker.nack_when(lambda row: row.key == "k" and row.attempts < 2)
+        ids: list[str] = []
+        for keys in batches:
+            ids += await asyncio.to_thread(insert_one_transaction, wal_db, keys)
+            run.capture.wake()
+            await asyncio.sleep(0.03)
+        end = wal_db.execute("SELECT pg_current_wal_lsn()::text")[0][0]
+        await until(lambda: statuses(wal_db) == {"published": len(ids)}, timeout=60)
+        sent = [m.message_id for m in run.broker.take("all")]
+        insert(wal_db, 1)  # a commit after: the slot moves past every row
+        run.capture.wake()
+        await until(lambda: confirmed_at_least(wal_db, end), timeout=30)
+    keys_of = dict(zip(ids, [k for keys in batches for k in keys], strict=True))
+    # Each once (a failed attempt is not a delivery), per key in commit order.
+    assert sorted(sent) == sorted(ids)
+    for key in ("k", "x", "y"):  # per key, commit order
+        assert [i for i in sent if keys_of[i] == key] == [i for i in ids if keys_of[i] == key]
+    if not failing:  # nothing held back: commit order across keys too
+        assert sent == ids
 
 
 async def test_a_quiet_outbox_does_not_hold_back_other_databases_wal(

@@ -92,7 +92,7 @@ SELECT l.id::text AS id, l.seq, l.topic, l.key, l.type,
            SELECT 1 FROM outbox e
            WHERE e.key = l.key AND e.seq >= (SELECT seq FROM low) AND e.seq < l.seq
              AND e.status <> 'published' AND e.status <> 'dead'
-             AND e.id NOT IN (SELECT id FROM locked)) AS blocked
+             AND e.id NOT IN (SELECT id FROM locked){before}) AS blocked
 FROM sized l
 -- The rows that fit, and the first that does not (the one before it fits).
 WHERE l.nth = 1 OR l.upto - l.size <= :budget OR (l.nth = 2 AND CAST(:alone AS int) = 1)
@@ -139,6 +139,27 @@ SELECT set_config(
     CAST(NOT coalesce(bool_and(pg_try_advisory_xact_lock(:class, s)), true) AS text),
     true) AS shares_busy
 FROM unnest(CAST(:shares AS int[])) AS s
+
+-- name: outbox_shares_try_shared
+-- The same tries as outbox_shares_try, of the shared locks: the WAL
+-- reader's batches (relay outbox --capture wal), two of which are claimed
+-- and published one behind the other, hold every share together, and so
+-- exclude every claim worker (whose locks are exclusive) as one batch did.
+SELECT set_config(
+    'relay.shares_busy',
+    CAST(NOT coalesce(bool_and(pg_try_advisory_xact_lock_shared(:class, s)), true) AS text),
+    true) AS shares_busy
+FROM unnest(CAST(:shares AS int[])) AS s
+
+-- name: outbox_claim_before_none
+-- (outbox_claim_tail's {before}: every claim but a WAL batch claimed behind another.)
+
+-- name: outbox_claim_before_ids
+-- A WAL batch claimed while the batch before it is out (relay.capture): the
+-- earlier batch's rows (:before) hold back no row of this one, since this
+-- one goes out only once that one went out whole.
+
+             AND NOT (e.id = ANY(CAST(:before AS uuid[])))
 
 -- name: outbox_claim_dead_skip
 -- --on-dead skip: a dead row holds nothing back (an empty condition).
