@@ -766,6 +766,16 @@ class OutboxSettings(DaemonSettings):
                 )
 
 
+# The inbox's default --prefetch, in batches of --batch-size: what its
+# receiver may run ahead of the dispatchers (relay.pacing.PACE_BATCHES for
+# each of relay.inbox.DISPATCHERS: the batch each has in hand and the next).
+# A smaller window starves them: each one's part of a received batch is
+# then a fraction of --batch-size (docs/inbox.md, "Batches").
+RECEIVED_AHEAD = 6
+# ... at most RabbitMQ's largest prefetch (basic.qos takes a 16-bit count).
+PREFETCH_MOST = 65535
+
+
 @dataclass(frozen=True, repr=False)
 class InboxSettings(DaemonSettings):
     """`relay inbox`."""
@@ -775,7 +785,8 @@ class InboxSettings(DaemonSettings):
     binds: tuple[str, ...] = ()
     handlers: tuple[str, ...] = ()
     consumer_name: str = ""
-    prefetch: int = 1000
+    # 0: RECEIVED_AHEAD times --batch-size (set in __post_init__).
+    prefetch: int = 0
     handler_timeout: float = 60.0
     # RabbitMQ, used when relay declares the queue. None: not asked for, so a
     # queue its owner declared otherwise is used as it is.
@@ -830,6 +841,9 @@ class InboxSettings(DaemonSettings):
             # first topic's or stream's name.
             first = self.queue.split(",")[0].strip() if listed else self.queue
             object.__setattr__(self, "consumer_name", first)
+        if self.prefetch == 0:
+            default = min(RECEIVED_AHEAD * self.batch_size, PREFETCH_MOST)
+            object.__setattr__(self, "prefetch", default)
         _positive("prefetch", self.prefetch)
         _positive("handler-timeout", self.handler_timeout)
         _positive("claim-idle", self.claim_idle)

@@ -383,7 +383,11 @@ def receiver_parts(settings: InboxSettings, consumer: Consumer | None = None) ->
             binding=cloudevents.binding(settings.broker.kind if settings.broker else None),
         ),
         consumer_name=settings.consumer_name,
-        batch_size=settings.batch_size,
+        # Handled as received: a batch for every dispatcher, each one's part
+        # of it about --batch-size rows, its transaction's size (docs/inbox.md,
+        # "Batches"). Stored: a batch of --batch-size, as the dispatchers
+        # claim, so that the pace's bound stays one batch wide.
+        batch_size=settings.batch_size * (DISPATCHERS if settings.dispatch == "received" else 1),
     )
 
 

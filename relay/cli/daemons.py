@@ -252,9 +252,8 @@ def outbox(once: bool, **kwargs: Any) -> None:
 @option(
     "--prefetch",
     type=click.IntRange(min=1),
-    default=1000,
-    show_default=True,
-    help="unacknowledged messages the broker may send ahead",
+    default=None,
+    help="unacknowledged messages the broker may send ahead [default: 6 x --batch-size]",
 )
 @option(
     "--handler-timeout",
@@ -303,6 +302,7 @@ def inbox(**kwargs: Any) -> None:
     kwargs["binds"] = tuple(kwargs["binds"])
     kwargs["queue_args"] = tuple(kwargs["queue_args"])
     kwargs["consumer_name"] = kwargs["consumer_name"] or ""
+    kwargs["prefetch"] = kwargs["prefetch"] or 0  # 0: 6 x --batch-size
     specs = tuple(kwargs.pop("handlers"))
     settings = build(config.InboxSettings, **daemon_settings(kwargs))
     registry = build(load, specs=specs)

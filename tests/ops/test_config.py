@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import click
 import pytest
 
-from relay import logs
+from relay import config, logs
 from relay.config import (
     BrokerURL,
     ConfigError,
@@ -349,3 +349,25 @@ def test_flags_of_one_invocation_read_their_variables_too(engine, run_relay):
     assert text.stdout.startswith("outbox: pending 0"), text.stdout
     once = run_relay("outbox", env={"RELAY_ONCE": "1"}, timeout=60)  # ends, or times out
     assert once.returncode == 0, once.stderr
+
+
+def test_the_inbox_prefetch_defaults_to_what_its_receiver_may_run_ahead():
+    from relay.inbox import DISPATCHERS
+    from relay.pacing import PACE_BATCHES
+    from relay.wiring import receiver_parts
+
+    # The window the pace lets the receiver run ahead of the dispatchers:
+    # a smaller one would cut each dispatcher's part of a batch short.
+    assert config.RECEIVED_AHEAD == PACE_BATCHES * DISPATCHERS
+    broker = config.BrokerURL.parse("amqp://guest:guest@localhost/")
+    url = "postgresql://u@h/d"
+    default = config.InboxSettings(database_url=url, broker=broker, queue="q", batch_size=200)
+    assert default.prefetch == config.RECEIVED_AHEAD * 200
+    # Handled as received, the receiver reads a batch for every dispatcher,
+    # each one's part about --batch-size; stored, a batch as they claim.
+    assert receiver_parts(default).batch_size == 200 * DISPATCHERS
+    assert receiver_parts(default.replace(dispatch="stored")).batch_size == 200
+    large = config.InboxSettings(database_url=url, broker=broker, queue="q", batch_size=20_000)
+    assert large.prefetch == 65535  # RabbitMQ's basic.qos takes a 16-bit count
+    given = config.InboxSettings(database_url=url, broker=broker, queue="q", prefetch=10)
+    assert given.prefetch == 10
