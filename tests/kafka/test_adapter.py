@@ -161,6 +161,38 @@ async def test_the_consumer_commits_only_behind_acknowledged_records(kafka: Kafk
     assert [m.message_id for m in got] == [f"kafka:{topic}:0:{n}" for n in range(5)]
 
 
+async def held_then_the_rest(consumer, total: int) -> tuple[list, list[list]]:
+    """What the consumer hands out while nothing is acknowledged (until
+    nothing more comes for 2 s); then, acknowledging that and each batch as
+    it comes, the batches that follow until `total` records have come."""
+    batches = consumer.batches(1000, 0.05)
+    pending = asyncio.ensure_future(anext(batches))
+    try:
+        async with asyncio.timeout(60):
+            held = await pending  # the group joined
+            pending = asyncio.ensure_future(anext(batches))
+            while True:  # nothing acknowledged: what arrives stops at the limit
+                done, _ = await asyncio.wait({pending}, timeout=2)
+                if not done:
+                    break
+                held += pending.result()
+                pending = asyncio.ensure_future(anext(batches))
+            await consumer.ack(held)
+            rest, count = [], len(held)
+            while count < total:
+                batch = await pending
+                pending = asyncio.ensure_future(anext(batches))
+                rest.append(batch)
+                count += len(batch)
+                await consumer.ack(batch)
+    finally:
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await batches.aclose()
+        await consumer.close()
+    return held, rest
+
+
 async def test_over_its_limit_the_consumer_waits_then_pauses_and_loses_nothing(
     kafka: Kafka, monkeypatch: pytest.MonkeyPatch
 ):
@@ -178,30 +210,37 @@ async def test_over_its_limit_the_consumer_waits_then_pauses_and_loses_nothing(
     kafka.flush()
     consumer = group_consumer(kafka, topic)
     consumer.max_held = 5
-    batches = consumer.batches(1000, 0.05)
-    pending = asyncio.ensure_future(anext(batches))
-    try:
-        async with asyncio.timeout(60):
-            held = await pending  # the group joined
-            pending = asyncio.ensure_future(anext(batches))
-            while True:  # nothing acknowledged: what arrives stops at the limit
-                done, _ = await asyncio.wait({pending}, timeout=2)
-                if not done:
-                    break
-                held += pending.result()
-                pending = asyncio.ensure_future(anext(batches))
-            assert 5 <= len(held) < total
-            await consumer.ack(held)
-            got = list(held)
-            while len(got) < total:
-                batch = await pending
-                pending = asyncio.ensure_future(anext(batches))
-                got += batch
-                await consumer.ack(batch)
-    finally:
-        pending.cancel()
-        await asyncio.gather(pending, return_exceptions=True)
-        await batches.aclose()
-        await consumer.close()
+    held, rest = await held_then_the_rest(consumer, total)
+    assert 5 <= len(held) < total
+    got = held + [m for batch in rest for m in batch]
     assert sorted(m.message_id for m in got) == sorted(f"kafka:{topic}:0:{n}" for n in range(total))
     assert kafka.committed("g-" + topic, topic) == {0: total}
+
+
+async def test_what_is_handed_out_stays_within_the_byte_bound_plus_one_record(
+    kafka: Kafka,
+):
+    """However many records librdkafka has fetched, what is handed out and
+    not acknowledged stays within the bytes bound plus one record (Tansu
+    answered one consume() with 86 records of 50 MiB, issue 51's memory
+    test); a record larger than the bound still comes, the last of what
+    is held; once acknowledged, every record arrives, each once, in offset
+    order."""
+    topic = kafka.topic("bytes")
+    sizes = [1000] * 300 + [50_000] + [1000] * 10
+    for n, size in enumerate(sizes):
+        body = b'{"n": %d, "pad": ""}' % n
+        kafka.produce(topic, body[:-2] + b"x" * (size - len(body)) + b'"}', flush=False)
+    kafka.flush()
+    consumer = group_consumer(kafka, topic)
+    consumer.max_held_bytes = 10_000
+    held, rest = await held_then_the_rest(consumer, len(sizes))
+    assert 10_000 <= sum(len(m.body) for m in held) < 10_000 + 1000
+    got = held + [m for batch in rest for m in batch]
+    assert [m.message_id for m in got] == [f"kafka:{topic}:0:{n}" for n in range(len(sizes))]
+    # Each batch acknowledged before the next: what was held before its
+    # last record was under the bound.
+    batch_sizes = [[len(m.body) for m in batch] for batch in rest]
+    assert all(sum(s[:-1]) < 10_000 for s in batch_sizes)
+    assert [50_000] in [s[-1:] for s in batch_sizes]
+    assert kafka.committed("g-" + topic, topic) == {0: len(sizes)}

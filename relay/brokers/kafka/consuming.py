@@ -44,6 +44,15 @@ from relay.errors import BrokerUnavailable, ConfigError
 
 # Records received and not yet acknowledged beyond which fetching pauses.
 MAX_HELD = 5000
+# A consume() asks for up to CONSUME_COUNT records and returns once it has
+# them all or its wait is over: CONSUME_IDLE after one that found nothing,
+# CONSUME_BUSY after one that found some. librdkafka hands fetched records
+# on by the fetch, so a wait of 0.1 s for a full count held every batch of a
+# backlog back (the Kafka inbox: 13,700 msgs/s, 19,200 with 0.01 s), while
+# idle the thread wakes ten times a second only.
+CONSUME_COUNT = 500
+CONSUME_IDLE = 0.1
+CONSUME_BUSY = 0.01
 # How long the consume thread waits, over MAX_HELD (or its bytes), before it
 # pauses its partitions (a rebalance waits that long at most meanwhile).
 PAUSE_AFTER = 1.0
@@ -249,6 +258,15 @@ class KafkaConsumer:
         self._epoch = 0
         self._held = 0
         self._buffer: deque[Incoming] = deque()
+        # Records a consume() brought and not yet handed out (the consume
+        # thread's: _take hands them out under the bounds, _revoked drops
+        # a revoked partition's). A consume() takes all librdkafka has
+        # fetched, whose limits a broker's answer may pass: Tansu's brought
+        # 86 records of 50 MiB in one, which, handed out as one batch, cost
+        # the receiver and the daemon several copies each (an OOM kill in
+        # 384 MiB, tests/ops/test_memory_limit.py).
+        self._unhanded: deque[Message] = deque()
+        self._record_bytes = 0.0  # the mean size of the last records handed out
         self._arrived = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failure: BaseException | None = None
@@ -414,6 +432,7 @@ class KafkaConsumer:
         """Finish the work in hand (the records handed out are stored and
         acknowledged, for a while at most), commit it, then let go."""
         gone = {(tp.topic, tp.partition) for tp in partitions}
+        self._unhanded = deque(m for m in self._unhanded if (m.topic(), m.partition()) not in gone)
         # Records buffered and not handed to the receiver yet are let go of
         # first (their new owner reads them again), then the rest is waited for.
         forgotten = threading.Event()
@@ -481,8 +500,10 @@ class KafkaConsumer:
     def _consume(self) -> None:
         consumer = self._consumer
         assert consumer is not None
+        self._unhanded = deque()
         paused = False
         over_since: float | None = None  # since when over the bounds, not paused
+        wait = CONSUME_IDLE
         while not self._stop.is_set():
             try:
                 if self._commit_due.is_set():
@@ -510,15 +531,28 @@ class KafkaConsumer:
                         continue
                     consumer.pause(consumer.assignment())
                     paused = True
-                messages = consumer.consume(500, 0.1)
+                # Paused, consume() serves rebalances (it brings no record).
+                if paused or not self._unhanded:
+                    messages = consumer.consume(self._count(), wait)
+                    wait = CONSUME_BUSY if messages else CONSUME_IDLE
+                    self._unhanded.extend(messages)
             except (KafkaException, RuntimeError) as exc:
                 self._fail(BrokerUnavailable(f"Kafka consumer of {', '.join(self.topics)}: {exc}"))
                 return
-            if not messages:
-                continue
-            got = self._take(messages)
+            got = self._take()
             if got:
                 self._loop_call(self._deliver, got)
+
+    def _count(self) -> int:
+        """How many records the next consume() asks for: CONSUME_COUNT, or
+        as many as the byte bound has room for at the mean size of the last
+        records handed out (at least one), so that large records stay in
+        librdkafka's buffers, not copied out beside them, until their turn."""
+        limit = self.max_held_bytes
+        if limit is None or self._record_bytes <= 0:
+            return CONSUME_COUNT
+        room = (limit - self._held_bytes) / self._record_bytes
+        return max(1, min(CONSUME_COUNT, int(room)))
 
     def _over(self, fraction: int) -> bool:
         """Whether the records held are at `1/fraction` of either bound
@@ -528,14 +562,19 @@ class KafkaConsumer:
         limit = self.max_held_bytes
         return limit is not None and self._held_bytes >= limit // fraction
 
-    def _take(self, messages: list[Message]) -> list[Incoming]:
-        """The records of one consume() as the inbox sees them, each one
+    def _take(self) -> list[Incoming]:
+        """The records consumed and not handed out yet, as the inbox sees
+        them, each one handed out while what is held is below the bounds
+        (so it stays within them plus one record, however large), and
         noted as handed out (in the consume thread: the hot path, one pass,
-        each partition's state looked up once a batch)."""
+        each partition's state looked up once a call)."""
         got: list[Incoming] = []
         states: dict[tuple[str, int], _Partition | None] = {}
+        unhanded = self._unhanded
+        taken = 0
         with self._lock:
-            for message in messages:
+            while unhanded and not self._over(1):
+                message = unhanded.popleft()
                 error = message.error()
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
@@ -565,7 +604,10 @@ class KafkaConsumer:
                 size = len(got[-1].body)
                 state.handed.append([offset, 0, size])
                 self._held_bytes += size
-            self._held += len(got)
+                self._held += 1
+                taken += size
+        if got:
+            self._record_bytes = taken / len(got)
         return got
 
     def _loop_call(self, fn: Callable[..., None], *args: Any) -> None:
