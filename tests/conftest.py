@@ -464,19 +464,26 @@ HANDLERS = "tests.apps.handlers:registry"  # sync handlers: psycopg's blocking c
 MIXED_HANDLERS = "tests.apps.handlers:mixed_registry"  # with async ones: the async engine
 
 
+def run_bench(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m MODULE ARGS` in the repository, which must exit 0 within
+    `timeout` seconds; what it printed."""
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def quick_bench(tmp_path: Path, *scenarios: str) -> dict[str, set[str]]:
     """`python -m bench.run --quick --only SCENARIOS`, which must exit 0 with
     no scenario in error: the figures' names it recorded, by scenario."""
     out = tmp_path / "bench.json"
     only = ",".join(scenarios)
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", "--only", only, "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_bench("bench.run", "--quick", "--only", only, "--out", str(out), timeout=400)
     report = json.loads(out.read_text())
     figures: dict[str, set[str]] = {name: set() for name in scenarios}
     for name in scenarios:

@@ -25,6 +25,9 @@ from tests.ops.test_operations import scrape
 from tests.outbox.test_sources import insert, label, pending, tenant_databases
 
 SCHEMAS = ("t1", "t2", "t3")
+# An outbox of several sources holds up to 32 connections of the shared
+# server (100 at most): these tests run one at a time, on one worker.
+pytestmark = pytest.mark.xdist_group("many_sources")
 
 
 @pytest.fixture

@@ -29,6 +29,9 @@ from tests.ops.test_operations import metric_is, scrape
 from tests.sqs_server import sqs, sqs_server  # noqa: F401 - fixtures
 
 SCHEMAS = ("t1", "t2")
+# An outbox of several sources holds up to 32 connections of the shared
+# server (100 at most): these tests run one at a time, on one worker.
+pytestmark = pytest.mark.xdist_group("many_sources")
 
 
 @contextlib.contextmanager
