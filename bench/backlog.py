@@ -249,8 +249,11 @@ def _report_fifths(
     )
     report.add(scenario, f"{who}_last_fifth", last, "msgs/s")
     report.add(scenario, f"{who}_whole", window_rate(points, 0.0, 1.0), "msgs/s")
-    if first and last:
-        report.add(scenario, f"{who}_last_over_first", last / first, "x")
+    # Always recorded, None where a fifth had no rate (a smoke-size run's
+    # few batches), so that the figure's absence never hides a scenario
+    # that stopped reporting it.
+    ratio = last / first if first and last else None
+    report.add(scenario, f"{who}_last_over_first", ratio, "x")
 
 
 async def scenario_backlog(res: Resources, sz: Sizes, report: Report) -> None:

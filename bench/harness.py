@@ -26,6 +26,7 @@ from bench.common import (
     batch_times,
     connect,
     payload,
+    percentile,
     scalar,
     steady_rate,
 )
@@ -330,3 +331,101 @@ async def produce(
         for conn in conns:
             await conn.close()
     return commits, achieved, durations
+
+
+async def started_outbox(
+    res: Resources, *extra: str, tag: str | None = None, ready: str = "outbox relay started"
+) -> tuple[str, str, Proc]:
+    """A fresh database, an exchange and its queue, and `relay outbox` on
+    them (with `extra` arguments), started and listening: the database's
+    URL, the queue, the daemon."""
+    url = await res.database(tag)
+    exchange, queue = res.names(tag)
+    await res.bind_queue(exchange, queue)
+    relay = res.relay(
+        f"outbox{'-' + tag if tag else ''}", "outbox", *daemon_args(url, exchange), *extra
+    )
+    await relay.wait_log(ready, timeout=60)
+    await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
+    return url, queue, relay
+
+
+def commit_to_receipt(
+    commits: dict[str, tuple[float, float]], receipts: dict[str, float], seconds: float
+) -> tuple[list[float], float]:
+    """Each message's latency (ms) from its commit to its receipt, sorted,
+    those of the warm-up left out, and the warm-up (s); every committed
+    message must have arrived."""
+    missing = [m for m in commits if m not in receipts]
+    if missing:
+        raise BenchError(
+            f"{len(missing)} of {len(commits)} messages never arrived (e.g. {missing[0]})"
+        )
+    warmup = min(0.5, seconds / 4)
+    latencies = sorted(
+        (receipts[m] - committed) * 1000
+        for m, (committed, offset) in commits.items()
+        if offset >= warmup
+    )
+    return latencies, warmup
+
+
+async def latency_at(
+    res: Resources,
+    report: Report,
+    scenario: str,
+    url: str,
+    queue: str,
+    rate: int,
+    seconds: float,
+    prefix: str = "",
+) -> None:
+    """Single-row transactions committed at `rate` a second for `seconds`
+    into `url`, whose running `relay outbox` publishes to `queue`: the
+    commit-to-receipt latency's percentiles (`{prefix}p50@{rate}`, ...), as
+    bench.consumer receives them."""
+    consumer, receipts_file = await res.consumer(f"consumer{prefix}{rate}", queue)
+    commits, achieved, durations = await produce(url, "bench.latency", rate, seconds)
+    receipts = await res.receipts(consumer, receipts_file, len(commits))
+    latencies, warmup = commit_to_receipt(commits, receipts, seconds)
+    report_latency(
+        report, scenario, latencies, durations, achieved, rate, warmup, prefix, f"@{rate}"
+    )
+
+
+def report_latency(
+    report: Report,
+    scenario: str,
+    latencies: list[float],
+    durations: list[float],
+    achieved: float,
+    offered: float,
+    warmup: float,
+    prefix: str = "",
+    suffix: str = "",
+    **extra: Any,
+) -> None:
+    """The figures of a latency run: `{prefix}p50{suffix}`, p95, p99 and max
+    of `latencies` (sorted, ms), the rate achieved against `offered`, and
+    the producer's own INSERT+COMMIT (`durations`, ms) at p50 and p99."""
+    extra = {
+        "offered": offered,
+        "achieved": round(achieved, 1),
+        "messages": len(latencies),
+        "warmup_s": warmup,
+        **extra,
+    }
+    for q in (50, 95, 99):
+        report.add(scenario, f"{prefix}p{q}{suffix}", percentile(latencies, q), "ms", **extra)
+    report.add(scenario, f"{prefix}max{suffix}", latencies[-1], "ms")
+    report.add(
+        scenario,
+        f"{prefix}achieved{suffix}",
+        achieved,
+        "msgs/s",
+        note="offered rate not kept" if achieved < offered * 0.95 else None,
+    )
+    # The producer's own INSERT+COMMIT: a slow disk or a busy machine shows here.
+    durations.sort()
+    report.add(scenario, f"{prefix}commit_p50{suffix}", percentile(durations, 50), "ms")
+    report.add(scenario, f"{prefix}commit_p99{suffix}", percentile(durations, 99), "ms")

@@ -53,13 +53,21 @@ from bench.common import (
     connect,
     free_port,
     loadavg,
-    percentile,
     relay_env,
     scalar,
     steady_rate,
 )
 from bench.cpu import cpu_seconds, pids_named
-from bench.harness import Report, Sizes, create_effects, daemon_args, wait_metric
+from bench.harness import (
+    Report,
+    Sizes,
+    commit_to_receipt,
+    create_effects,
+    daemon_args,
+    report_latency,
+    started_outbox,
+    wait_metric,
+)
 from tests.moto_main import MOTO_MAIN
 
 NODE_DIR = REPO / "bench" / ".node"
@@ -540,24 +548,27 @@ PRODUCER_LANES = 5  # connections per producer process (10: commits slower, noth
 OFFERED = 2000
 
 
-async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) -> None:
-    """Commit to receipt through a running `relay outbox` at 2,000 msgs/s offered
-    by PRODUCERS processes."""
-
-    url = await res.database()
-    exchange, queue = res.names()
-    await res.bind_queue(exchange, queue)
-    relay = res.relay("outbox", "outbox", *daemon_args(url, exchange))
-    await relay.wait_log("outbox relay started", timeout=60)
-    await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
-    consumer, receipts_file = await res.consumer("consumer", queue)
-    seconds = sz.latency_seconds
+async def offered_latency(
+    res: Resources,
+    report: Report,
+    scenario: str,
+    url: str,
+    queue: str,
+    seconds: float,
+    prefix: str = "",
+) -> int:
+    """Single-row transactions offered at OFFERED msgs/s by PRODUCERS
+    processes for `seconds` into `url`, whose running `relay outbox`
+    publishes to `queue`: the commit-to-receipt percentiles
+    (`{prefix}p50`, ...) as bench.consumer receives them; how many were
+    committed."""
+    consumer, receipts_file = await res.consumer(f"consumer{prefix}", queue)
     loads = [loadavg()[0]]
     producers = []
     for n in range(PRODUCERS):
-        out = res.workdir / f"producer{n}.json"
+        out = res.workdir / f"producer{prefix}{n}.json"
         proc = res.spawn(
-            f"producer{n}",
+            f"producer{prefix}{n}",
             [
                 sys.executable,
                 "-m",
@@ -608,42 +619,34 @@ async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) ->
     loads.append(loadavg()[0])
     achieved = len(commits) / (last - start)
     receipts = await res.receipts(consumer, receipts_file, len(commits))
-    missing = [m for m in commits if m not in receipts]
-    if missing:
-        raise BenchError(f"{len(missing)} of {len(commits)} messages never arrived")
-    warmup = min(0.5, seconds / 4)
-    latencies = sorted(
-        (receipts[m] - committed) * 1000
-        for m, (committed, offset) in commits.items()
-        if offset >= warmup
-    )
-    extra = {
-        "offered": OFFERED,
-        "producers": PRODUCERS,
-        "achieved": round(achieved, 1),
-        "messages": len(latencies),
-        "warmup_s": warmup,
-        "loadavg_1m": loads,
-    }
-    for q in (50, 95, 99):
-        report.add("latency_offered", f"p{q}", percentile(latencies, q), "ms", **extra)
-    report.add("latency_offered", "max", latencies[-1], "ms")
-    report.add(
-        "latency_offered",
-        "achieved",
+    latencies, warmup = commit_to_receipt(commits, receipts, seconds)
+    report_latency(
+        report,
+        scenario,
+        latencies,
+        durations,
         achieved,
-        "msgs/s",
-        note="offered rate not kept" if achieved < OFFERED * 0.95 else None,
+        OFFERED,
+        warmup,
+        prefix,
+        producers=PRODUCERS,
+        loadavg_1m=loads,
     )
-    durations.sort()
-    report.add("latency_offered", "commit_p50", percentile(durations, 50), "ms")
-    report.add("latency_offered", "commit_p99", percentile(durations, 99), "ms")
+    return len(commits)
+
+
+async def scenario_latency_offered(res: Resources, sz: Sizes, report: Report) -> None:
+    """Commit to receipt through a running `relay outbox` at 2,000 msgs/s offered
+    by PRODUCERS processes."""
+
+    url, queue, relay = await started_outbox(res)
+    commits = await offered_latency(res, report, "latency_offered", url, queue, sz.latency_seconds)
     # Batches: transactions that published (published_at is each one's start).
     batches = await scalar(
         url, "SELECT count(DISTINCT published_at) FROM outbox WHERE status = 'published'"
     )
     if batches:
-        report.add("latency_offered", "mean_batch", len(commits) / batches, "rows", batches=batches)
+        report.add("latency_offered", "mean_batch", commits / batches, "rows", batches=batches)
     if relay.popen.poll() is not None:
         raise BenchError(f"relay outbox exited {relay.popen.returncode}:\n{relay.tail()}")
 

@@ -61,7 +61,6 @@ from bench.common import (
     free_port,
     insert_backlog,
     loadavg,
-    percentile,
     relay_env,
     steady_rate,
 )
@@ -74,10 +73,11 @@ from bench.harness import (
     create_effects,
     daemon_args,
     expect,
+    latency_at,
     metrics,
     outbox_once,
-    produce,
     rss_figures,
+    started_outbox,
     wait_metric,
 )
 from bench.kafka import scenario_kafka, scenario_kafka_backlog, scenario_kafka_cloudevents
@@ -94,6 +94,7 @@ from bench.reference import (
     scenario_wire,
     start_moto,
 )
+from bench.wal import WAL_SETTINGS, scenario_wal_latency
 from relay.outbox import WORKERS
 
 RESULTS = REPO / "bench" / "results"
@@ -218,48 +219,9 @@ async def scenario_cloudevents(res: Resources, sz: Sizes, report: Report) -> Non
 
 async def scenario_latency(res: Resources, sz: Sizes, report: Report) -> None:
     """Commit-to-receipt latency through a running `relay outbox` at fixed offered rates."""
-    url = await res.database()
-    exchange, queue = res.names()
-    await res.bind_queue(exchange, queue)
-    relay = res.relay("outbox", "outbox", *daemon_args(url, exchange))
-    await relay.wait_log("outbox relay started", timeout=60)
-    await asyncio.sleep(0.5)  # the LISTEN connection comes up next to the workers
-    warmup = min(0.5, sz.latency_seconds / 4)
+    url, queue, relay = await started_outbox(res)
     for rate in sz.latency_rates:
-        consumer, receipts_file = await res.consumer(f"consumer{rate}", queue)
-        commits, achieved, durations = await produce(url, "bench.latency", rate, sz.latency_seconds)
-        receipts = await res.receipts(consumer, receipts_file, len(commits))
-        missing = [m for m in commits if m not in receipts]
-        if missing:
-            raise BenchError(
-                f"{len(missing)} of {len(commits)} messages at {rate}/s never "
-                f"arrived (e.g. {missing[0]})"
-            )
-        latencies = sorted(
-            (receipts[m] - committed) * 1000
-            for m, (committed, offset) in commits.items()
-            if offset >= warmup
-        )
-        extra = {
-            "offered": rate,
-            "achieved": round(achieved, 1),
-            "messages": len(latencies),
-            "warmup_s": warmup,
-        }
-        for q in (50, 95, 99):
-            report.add("latency", f"p{q}@{rate}", percentile(latencies, q), "ms", **extra)
-        report.add("latency", f"max@{rate}", latencies[-1], "ms")
-        report.add(
-            "latency",
-            f"achieved@{rate}",
-            achieved,
-            "msgs/s",
-            note="offered rate not kept" if achieved < rate * 0.95 else None,
-        )
-        # The producer's own INSERT+COMMIT: a slow disk or a busy machine shows here.
-        durations.sort()
-        report.add("latency", f"commit_p50@{rate}", percentile(durations, 50), "ms")
-        report.add("latency", f"commit_p99@{rate}", percentile(durations, 99), "ms")
+        await latency_at(res, report, "latency", url, queue, rate, sz.latency_seconds)
         await asyncio.sleep(0.5)
     if relay.popen.poll() is not None:
         raise BenchError(f"relay outbox exited {relay.popen.returncode}:\n{relay.tail()}")
@@ -534,14 +496,21 @@ SCENARIOS: dict[str, Callable[[Resources, Sizes, Report], Awaitable[None]]] = {
     "cloudevents": scenario_cloudevents,
     "redis": scenario_redis,
     "nats": scenario_nats,
+    "wal_latency": scenario_wal_latency,
 }
 # Run only when named (--only): `kafka`, `redis` and `nats` start a broker of
 # their own (Tansu, redis-server, nats-server), and the quick run of every
 # scenario is near its time limit in the tests.
-OPT_IN = frozenset({"kafka", "kafka_backlog", "kafka_cloudevents", "redis", "nats"})
+OPT_IN = frozenset({"kafka", "kafka_backlog", "kafka_cloudevents", "redis", "nats", "wal_latency"})
 # Judged with PostgreSQL's default server settings (issue 24): they run on a
-# cluster of their own (bench.pgserver) unless --shared-postgres.
-OWN_SERVER = frozenset({"backlog", "retention", "kafka_backlog"})
+# cluster of their own (bench.pgserver) unless --shared-postgres; with the
+# settings given here, always (the shared server keeps wal_level = replica).
+OWN_SERVER: dict[str, tuple[str, ...]] = {
+    "backlog": (),
+    "retention": (),
+    "kafka_backlog": (),
+    "wal_latency": WAL_SETTINGS,
+}
 
 
 # --------------------------------------------------------------------------
@@ -723,6 +692,23 @@ def evaluate(report: Report, quick: bool) -> list[dict[str, Any]]:
             0.9,
             "x",
         )
+    # Issue 52: commit-to-publish latency with --capture wal (bench.wal).
+    check(
+        f"52: latency p50 @{OFFERED}/s offered, --capture wal",
+        g("wal_latency", "wal_p50"),
+        "<=",
+        5,
+        "ms",
+        judged=not quick,
+    )
+    check(
+        f"52: latency p99 @{OFFERED}/s offered, wal / poll",
+        g("wal_latency", "wal_over_poll_p99"),
+        "<=",
+        1.0,
+        "x",
+        judged=not quick,
+    )
     # Issue 53: Redis Streams (bench.redis_streams).
     check("53: outbox to Redis / serial floor", g("redis", "outbox_over_floor"), ">=", 0.4, "x")
     check(
@@ -922,8 +908,8 @@ async def run(args: argparse.Namespace) -> int:
         state: dict[str, Any] = report.scenarios.setdefault(name, {})
         try:
             async with contextlib.AsyncExitStack() as stack:
-                if name in OWN_SERVER and not args.shared_postgres:
-                    server = await stack.enter_async_context(own_postgres())
+                if name in OWN_SERVER and (OWN_SERVER[name] or not args.shared_postgres):
+                    server = await stack.enter_async_context(own_postgres(OWN_SERVER[name]))
                     stack.callback(setattr, common, "PG_URL", common.PG_URL)
                     common.PG_URL = server.url
                     state["postgresql_settings"] = await server_settings()

@@ -5,9 +5,11 @@ with the CPU each process spent and, optionally, py-spy's samples.
     .venv/bin/python -m bench.where inbox --messages 20000 [--py-spy DIR]
     .venv/bin/python -m bench.where inbox --broker kafka --handlers bench.handlers:batch
 
---broker kafka: the same on Kafka (Tansu started as bench.kafka does, a
-topic of six partitions; the inbox's topic filled by a bare producer in
-relay's wire format); "rabbitmq" then reads Tansu's CPU.
+--broker redis: the same on Redis Streams (redis-server on a free port, the
+stream filled by `relay outbox --once`). --broker kafka: the same on Kafka
+(Tansu started as bench.kafka does, a topic of six partitions; the inbox's
+topic filled by a bare producer in relay's wire format); the broker's CPU
+is then Tansu's or redis-server's.
 
 outbox: `relay outbox` over N pending rows (until it has published them;
 its /metrics give the workers' share of time spent publishing). inbox: `relay inbox`
@@ -105,6 +107,9 @@ async def main(args: argparse.Namespace) -> None:
         if args.broker == "kafka":
             kafka, broker = await _kafka(res, count if args.daemon == "inbox" else 0)
             exchange, queue = "relay", MEASURED_TOPIC  # the exchange: unused by Kafka
+        elif args.broker == "redis":
+            kafka, broker = await _redis(res, count if args.daemon == "inbox" else 0)
+            exchange, queue = "relay", MEASURED_TOPIC  # the exchange: unused by Redis
         else:
             exchange, queue = res.names()
             await res.bind_queue(exchange, queue)
@@ -115,7 +120,7 @@ async def main(args: argparse.Namespace) -> None:
             argv_tail = ["outbox", *daemon_args(url, exchange, broker), "--http-port", str(port)]
         else:
             await create_effects(url)
-            if kafka is None:
+            if args.broker == "rabbitmq":
                 await fill_queue(res, exchange, queue, count)
             port = free_port()
             argv_tail = [
@@ -160,8 +165,9 @@ async def main(args: argparse.Namespace) -> None:
         # From here on: start-up (imports, connections) left out.
         tree.sample()
         at_start = {pid: seconds for pid, (_, seconds) in tree.seen.items()}
+        server_names = {"kafka": "tansu*", "redis": "redis-server*", "rabbitmq": "beam.smp"}
         servers = [
-            ServerCpu("tansu*" if kafka is not None else "beam.smp"),
+            ServerCpu(server_names[args.broker]),
             ServerCpu("postgres"),
             ServerCpu("postgres", only=url.rsplit("/", 1)[1] + " "),
         ]
@@ -196,7 +202,7 @@ async def main(args: argparse.Namespace) -> None:
         await asyncio.gather(sampler, *watchers)
         for server in servers:
             server.sample()
-        broker_name = "tansu" if kafka is not None else "rabbitmq"
+        broker_name = {"kafka": "tansu", "redis": "redis"}.get(args.broker, "rabbitmq")
         used = {broker_name: servers[0].used(), "postgresql": servers[1].used()}
         backends = servers[2].used()
         table = "outbox" if args.daemon == "outbox" else "inbox"
@@ -274,6 +280,27 @@ async def _kafka(res: Resources, count: int) -> tuple[Any, str]:
     return server, f"kafka://{server.bootstrap}?{URL_PARAMS}"
 
 
+async def _redis(res: Resources, count: int) -> tuple[Any, str]:
+    """redis-server (as bench.redis_streams starts it) with the stream
+    MEASURED_TOPIC holding `count` entries that `relay outbox --once` sent
+    (relay's own fields); its URL."""
+    from tests.redis_server import RedisServer
+
+    workdir = res.workdir / "redis"
+    workdir.mkdir(exist_ok=True)
+    server = await asyncio.to_thread(RedisServer, workdir)
+    broker = server.url(direct=True)
+    if count:
+        url = await res.database("fill")
+        await preload_outbox(url, count)
+        fill = res.relay("fill", "outbox", "--once", *daemon_args(url, "relay", broker))
+        code = await fill.wait_exit(timeout=600)
+        if code != 0:
+            raise BenchError(f"relay outbox --once exited {code}:\n{fill.tail()}")
+        await res.drop_database(url)
+    return server, broker
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m bench.where")
     parser.add_argument("daemon", choices=("outbox", "inbox"))
@@ -283,7 +310,7 @@ if __name__ == "__main__":
         default="bench.handlers",
         help="inbox: bench.handlers (one INSERT) or bench.handlers:noop",
     )
-    parser.add_argument("--broker", choices=("rabbitmq", "kafka"), default="rabbitmq")
+    parser.add_argument("--broker", choices=("rabbitmq", "kafka", "redis"), default="rabbitmq")
     parser.add_argument("--py-spy", metavar="DIR", help="record the daemon with py-spy into DIR")
     parser.add_argument(
         "--relay-arg",
