@@ -5,13 +5,11 @@ judged here (no timed assertions); bench/run.py prints them."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import quick_bench, run_bench
 
 
 # The quick run took about 90 s on this shared machine under load before issue
@@ -20,14 +18,7 @@ from tests.conftest import REPO
 @pytest.mark.timeout(660)
 def test_quick_benchmark_runs_every_scenario(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_bench("bench.run", "--quick", "--out", str(out), timeout=600)
     report = json.loads(out.read_text())
     assert report["mode"] == "quick"
     for name, state in report["scenarios"].items():
@@ -48,14 +39,7 @@ def test_quick_benchmark_runs_every_scenario(tmp_path):
 
 def bench_sources(*args: str) -> list[dict[str, Any]]:
     """`python -m bench.sources ARGS`, which must exit 0; the figures it printed."""
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.sources", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_bench("bench.sources", *args, timeout=280)
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
@@ -98,3 +82,57 @@ def test_the_issue45_scenario_runs_at_smoke_size():
     assert set(trickle["cpu_pct"]) == {"relay", "postgresql"}
     assert trickle["activity"]["samples"] > 0 and trickle["activity"]["sessions"]
     assert trickle["p50_ms"] <= trickle["p99_ms"]
+
+
+@pytest.mark.timeout(300)
+def test_the_wal_benchmark_runs_at_smoke_size_to_kafka(tmp_path):
+    """bench.wal (issue 52) to Kafka, small: polling and --capture wal each
+    publish every row (it waits for the daemon's count of published rows and
+    checks the table), with their idle commits and the cluster's CPU, then
+    a backlog committed while each was stopped."""
+    out = tmp_path / "wal.json"
+    run_bench(
+        *("bench.wal", "--broker", "kafka", "--rows", "2000", "--txn", "100", "--idle", "2"),
+        *("--backlog", "2000", "--out", str(out)),
+        timeout=280,
+    )
+    report = json.loads(out.read_text())
+    assert report["broker"] == "kafka"
+    assert [r["mode"] for r in report["runs"]] == ["poll", "wal"]
+    for run in report["runs"]:
+        assert run["broker"] == "kafka" and run["drain_rate"] > 0
+        assert run["idle_commits"] >= 0 and run["cluster_cpu_seconds"] > 0
+    assert "walsender" in report["runs"][1]["cpu_by_kind"]
+    # The backlog committed while each daemon was stopped, all drained.
+    assert [b["mode"] for b in report["backlogs"]] == ["poll", "wal"]
+    assert all(b["backlog"] == 2000 and b["whole"] > 0 for b in report["backlogs"])
+
+
+@pytest.mark.timeout(300)
+def test_the_wal_latency_scenario_runs_at_smoke_size(tmp_path):
+    """bench.run's wal_latency (issue 52) at smoke size, on a cluster of its
+    own with wal_level = logical: every row the producer processes commit
+    arrives through polling and through --capture wal, and both modes'
+    percentiles are recorded."""
+    found = quick_bench(tmp_path, "wal_latency")["wal_latency"]
+    for mode in ("poll", "wal"):
+        assert {f"{mode}_p50", f"{mode}_p99", f"{mode}_achieved"} <= found
+    assert "wal_over_poll_p99" in found
+
+
+def test_the_mark_benchmark_measures_each_fillfactor(tmp_path):
+    """bench.mark at smoke size: each fillfactor's marks done, none of them
+    HOT (status is in the partial indexes' predicates), and the table at
+    fillfactor 50 not grown by them (every new version on its own page)."""
+    out = tmp_path / "mark.json"
+    run_bench(
+        "bench.mark",
+        *("--rows", "3000", "--batch", "500", "--rounds", "1", "--fillfactors", "100,50"),
+        *("--out", str(out)),
+        timeout=180,
+    )
+    results = {r["fillfactor"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {100, 50}
+    assert all(r["hot_updates"] == 0 and r["heap_blocks"] > 0 for r in results.values())
+    assert results[100]["table_mb_after"] > results[100]["table_mb_before"]
+    assert results[50]["table_mb_after"] == results[50]["table_mb_before"]
