@@ -277,8 +277,6 @@ async def run_inbox(
 
 
 async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     from tests.kafka_server import KafkaServer
 
     count = sz.multi
@@ -287,10 +285,8 @@ async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
     )
     try:
         bootstrap = server.bootstrap
-        admin = AdminClient({"bootstrap.servers": bootstrap})
         for topic in ("bench.bare", MEASURED_TOPIC):
-            for future in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
-                future.result(30)
+            make_topic(bootstrap, topic)
 
         url = await res.database("kafkapg")
         await preload_outbox(url, count)
@@ -348,19 +344,32 @@ async def scenario_kafka(res: Resources, sz: Sizes, report: Report) -> None:
         await asyncio.to_thread(server.close)
 
 
+def make_topic(bootstrap: str, topic: str) -> None:
+    """The topic `topic` of PARTITIONS partitions on the Kafka at `bootstrap`."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
+        future.result(30)
+
+
+def drop_topic(bootstrap: str, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics([topic]).values():
+        future.result(30)
+
+
 async def measured_topic(res: Resources, log: str) -> tuple[Any, str]:
     """Tansu, reached directly (no test proxy), with MEASURED_TOPIC of
     PARTITIONS partitions; the server and relay's URL for it."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     from tests.kafka_server import KafkaServer
 
     server = await asyncio.to_thread(
         functools.partial(KafkaServer, res.workdir / log, proxied=False)
     )
-    admin = AdminClient({"bootstrap.servers": server.bootstrap})
-    for future in admin.create_topics([NewTopic(MEASURED_TOPIC, PARTITIONS, 1)]).values():
-        future.result(30)
+    make_topic(server.bootstrap, MEASURED_TOPIC)
     return server, f"kafka://{server.bootstrap}?{URL_PARAMS}"
 
 

@@ -61,8 +61,8 @@ from bench.common import (
 )
 from bench.cpu import TICK, cpu_seconds
 from bench.harness import Report, Sizes, started_outbox, wait_metric
-from bench.kafka import PARTITIONS as KAFKA_PARTITIONS
 from bench.kafka import URL_PARAMS as KAFKA_URL_PARAMS
+from bench.kafka import drop_topic, make_topic
 from bench.pgserver import own_postgres
 from bench.reference import offered_latency
 
@@ -351,22 +351,6 @@ async def drop_slot(url: str, slot: str) -> None:
         "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
         (slot,),
     )
-
-
-def make_topic(bootstrap: str, topic: str) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.create_topics([NewTopic(topic, KAFKA_PARTITIONS, 1)]).values():
-        future.result(30)
-
-
-def drop_topic(bootstrap: str, topic: str) -> None:
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.delete_topics([topic]).values():
-        future.result(30)
 
 
 _COMMITS = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import functools
 import os
 import re
 import signal
@@ -264,20 +263,12 @@ async def main(args: argparse.Namespace) -> None:
 async def _kafka(res: Resources, count: int) -> tuple[Any, str]:
     """Tansu (as bench.kafka starts it) with MEASURED_TOPIC of six
     partitions holding `count` records in relay's wire format; its URL."""
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from bench.kafka import bare_produce, measured_topic
 
-    from bench.kafka import PARTITIONS, URL_PARAMS, bare_produce
-    from tests.kafka_server import KafkaServer
-
-    server = await asyncio.to_thread(
-        functools.partial(KafkaServer, res.workdir / "tansu.log", proxied=False)
-    )
-    admin = AdminClient({"bootstrap.servers": server.bootstrap})
-    for future in admin.create_topics([NewTopic(MEASURED_TOPIC, PARTITIONS, 1)]).values():
-        future.result(30)
+    server, broker = await measured_topic(res, "tansu.log")
     if count:
         await asyncio.to_thread(bare_produce, server.bootstrap, MEASURED_TOPIC, count)
-    return server, f"kafka://{server.bootstrap}?{URL_PARAMS}"
+    return server, broker
 
 
 async def _redis(res: Resources, count: int) -> tuple[Any, str]:
