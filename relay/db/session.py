@@ -239,8 +239,9 @@ class OutboxSession:
             if ids is not None:
                 listed = ",".join(ids)
                 earlier = ",".join(before)
-                if not _UUID_LIST(listed) or not _UUID_LIST(earlier):
-                    raise ValueError(f"not a list of UUIDs: {(listed or earlier)[:80]!r}")
+                for given in (listed, earlier):
+                    if not _UUID_LIST(given):
+                        raise ValueError(f"not a list of UUIDs: {given[:80]!r}")
                 if before:
                     written = _BEFORE_PARAMETER.sub(f"'{{{earlier}}}'", self._claim_ids_before_sql)
                 else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 import uuid
@@ -314,6 +315,23 @@ async def test_worker_session_marks_only_uuids(engine, database):
         [row], _ = (await session.claim(10))[:2]
         with pytest.raises(ValueError, match="not a list of UUIDs"):
             await session.finish([row.id, "x'); DELETE FROM outbox; --"])
+        await session.abort()
+    finally:
+        await session.close()
+    assert rows(engine, "SELECT status FROM outbox") == [("pending",)]
+
+
+async def test_a_claim_by_id_takes_only_uuids_and_names_the_list_that_is_not(engine, database):
+    insert_outbox(engine, 1, topic="t")
+    [(row_id,)] = rows(engine, "SELECT id FROM outbox")
+    session = Store(database).outbox_session("skip")
+    hostile = "x'); DELETE FROM outbox; --"
+    try:
+        # The rows before (a WAL batch claimed behind another) as well as the ids.
+        with pytest.raises(ValueError, match=re.escape(f"not a list of UUIDs: {hostile!r}")):
+            await session.claim(10, ids=[str(row_id)], before=[hostile])
+        with pytest.raises(ValueError, match=re.escape(f"not a list of UUIDs: {hostile!r}")):
+            await session.claim(10, ids=[hostile], before=[str(row_id)])
         await session.abort()
     finally:
         await session.close()
